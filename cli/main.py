@@ -1,0 +1,23 @@
+"""The click command group behind the ``kvcanary`` entry point: it parses arguments,
+calls the library and renders; the work lives in ``kvcanary``."""
+
+from __future__ import annotations
+
+import click
+
+import kvcanary
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(kvcanary.__version__, prog_name="kvcanary")
+def main() -> None:
+    """kvcanary: catch silent KV-cache corruption with SGLang-compatible KV canaries."""
+
+
+@main.command()
+def info() -> None:
+    """Version, hash scheme, default bound and where the kernel sources are."""
+    from kvcanary.info import environment_report
+
+    for key, value in environment_report().items():
+        click.echo(f"{key + ':':<22}{value}")

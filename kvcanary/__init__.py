@@ -1,0 +1,43 @@
+"""kvcanary: catch silent KV-cache corruption in LLM serving engines.
+
+A byte-compatible, torch-free implementation of SGLang's KV canary: a numpy reference and
+CUDA kernels (compiled at run time through CuPy) behind one API. Importing kvcanary
+imports neither torch nor cupy."""
+
+from .api import plan, verify, write
+from .consts import (
+    CANARY_CHAIN_ANCHOR,
+    CANARY_SLOT_BYTES,
+    MAX_REAL_KV_SOURCES,
+    MAX_REAL_KV_SOURCES_LIMIT,
+    FailReason,
+    LaunchTag,
+    RealKvHashMode,
+)
+from .hashing import CHAIN_HEAD, splitmix64, splitmix64_mix3
+from .types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
+from .violations import Violation
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CANARY_CHAIN_ANCHOR",
+    "CANARY_SLOT_BYTES",
+    "CHAIN_HEAD",
+    "MAX_REAL_KV_SOURCES",
+    "MAX_REAL_KV_SOURCES_LIMIT",
+    "CanaryContext",
+    "FailReason",
+    "LaunchTag",
+    "RealKvHashMode",
+    "RealKvSource",
+    "VerifyPlan",
+    "Violation",
+    "ViolationLog",
+    "WritePlan",
+    "plan",
+    "splitmix64",
+    "splitmix64_mix3",
+    "verify",
+    "write",
+]

@@ -1,0 +1,165 @@
+"""The three launches of the public API: ``plan``, ``write``, ``verify``.
+
+Each checks its arguments (upstream's messages, in upstream's order), then dispatches by
+array library: numpy arrays run the numpy reference, cupy arrays the CUDA kernels.
+``backend=`` forces one; arrays of the other library are then copied over and the
+outputs copied back, so the call still works in place."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays as A
+from .types import CanaryContext, VerifyPlan, WritePlan
+
+_INT64 = (np.int64,)
+_TABLE_DTYPES = (np.int32, np.int64)
+BACKENDS = ("numpy", "cupy")
+
+
+def _backend_module(name: str):
+    """A module with ``plan``, ``write`` and ``verify`` taking validated arguments."""
+    if name == "numpy":
+        from . import reference
+
+        return reference
+    if name == "cupy":
+        from . import cuda
+
+        return cuda.backend()
+    raise ValueError(f"kv-canary: backend must be one of {', '.join(BACKENDS)} or None, got {name!r}")
+
+
+def _check_token_array(x, name: str, length: int | None) -> None:
+    A.check_array(x, name, _INT64, 1, length)
+
+
+def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify_plan: VerifyPlan,
+         write_plan: WritePlan, swa_window_size: int = 0, full_to_swa_index_mapping=None,
+         req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
+         kv_token_id_vs_position_offset: int = 0, backend: str | None = None) -> None:
+    """Fill ``verify_plan`` and ``write_plan`` in place for one forward step (spec §5)."""
+    swa_window_size = int(swa_window_size)
+    if swa_window_size > 0 and full_to_swa_index_mapping is None:
+        raise ValueError(
+            "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when "
+            "swa_window_size > 0"
+        )
+    inputs = {
+        "req_pool_indices": A.as_array(req_pool_indices, "req_pool_indices"),
+        "prefix_lens": A.as_array(prefix_lens, "prefix_lens"),
+        "extend_seq_lens": A.as_array(extend_seq_lens, "extend_seq_lens"),
+        "req_to_token": A.as_array(req_to_token, "req_to_token"),
+        "full_to_swa_index_mapping": A.as_array(full_to_swa_index_mapping,
+                                                "full_to_swa_index_mapping"),
+        "req_to_verify_expected_tokens": A.as_array(req_to_verify_expected_tokens,
+                                                    "req_to_verify_expected_tokens"),
+        "req_to_verify_expected_tokens_valid_lens": A.as_array(
+            req_to_verify_expected_tokens_valid_lens, "req_to_verify_expected_tokens_valid_lens"),
+    }
+    rows = inputs["req_pool_indices"]
+    A.check_array(rows, "req_pool_indices", _INT64, 1)
+    bs = rows.shape[0]
+    A.check_array(inputs["prefix_lens"], "prefix_lens", _INT64, 1, bs)
+    A.check_array(inputs["extend_seq_lens"], "extend_seq_lens", _INT64, 1, bs)
+    A.check_array(inputs["req_to_token"], "req_to_token", _TABLE_DTYPES, 2)
+    lut = inputs["full_to_swa_index_mapping"]
+    if lut is not None:
+        A.check_array(lut, "full_to_swa_index_mapping", _INT64, 1)
+    pool = inputs["req_to_verify_expected_tokens"]
+    valid_lens = inputs["req_to_verify_expected_tokens_valid_lens"]
+    if pool is not None:
+        if valid_lens is None:
+            raise ValueError(
+                "kv-canary: launch_canary_plan_kernels requires "
+                "req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
+            )
+        A.check_array(pool, "req_to_verify_expected_tokens", _TABLE_DTYPES, 2)
+        A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", _INT64, 1, bs)
+    elif valid_lens is not None:
+        A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", _INT64, 1, bs)
+    verify_plan.validate()
+    write_plan.validate()
+    if bs > write_plan.write_req_capacity:
+        raise ValueError(f"kv-canary: bs={bs} exceeds write_req_capacity={write_plan.write_req_capacity}")
+    outputs = {**verify_plan.arrays(), **write_plan.arrays()}
+    library = A.same_library("req_to_token", inputs["req_to_token"],
+                             **{k: v for k, v in inputs.items() if k != "req_to_token"}, **outputs)
+    kwargs = dict(inputs, verify_plan=verify_plan, write_plan=write_plan,
+                  swa_window_size=swa_window_size,
+                  kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset))
+    _run(backend or library, library, "plan", kwargs)
+
+
+def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_cache_loc,
+          expected_input_tokens=None, expected_input_positions=None,
+          backend: str | None = None) -> None:
+    """Stamp the canary records of this step's new tokens (spec §3)."""
+    context.validate_sources()
+    tokens = {
+        "input_ids": A.as_array(input_ids, "input_ids"),
+        "positions": A.as_array(positions, "positions"),
+        "out_cache_loc": A.as_array(out_cache_loc, "out_cache_loc"),
+    }
+    expected = {
+        "expected_input_tokens": A.as_array(expected_input_tokens, "expected_input_tokens"),
+        "expected_input_positions": A.as_array(expected_input_positions,
+                                               "expected_input_positions"),
+    }
+    A.check_contiguous(context.canary_buf, "canary_buf")
+    plan.validate()
+    length = tokens["input_ids"].shape[0] if tokens["input_ids"].ndim == 1 else None
+    for name, array in tokens.items():
+        _check_token_array(array, name, length)
+    given = [array is not None for array in expected.values()]
+    if any(given) and not all(given):
+        raise ValueError(
+            "kv-canary: expected input tensors are required when enable_write_input_assert=True"
+        )
+    if all(given):
+        for name, array in expected.items():
+            _check_token_array(array, name, length)
+    context.validate()
+    library = A.same_library("canary_buf", context.canary_buf, **tokens, **expected,
+                             **plan.arrays(), **_context_arrays(context))
+    _run(backend or library, library, "write",
+         dict(context=context, plan=plan, **tokens, **expected))
+
+
+def verify(context: CanaryContext, plan: VerifyPlan, *, check_expected_token: bool = False,
+           backend: str | None = None) -> None:
+    """Check every planned prefix slot; violations go to the context's ring (spec §4)."""
+    context.validate_sources()
+    A.check_contiguous(context.canary_buf, "canary_buf")
+    plan.validate()
+    context.validate()
+    library = A.same_library("canary_buf", context.canary_buf, **plan.arrays(),
+                             **_context_arrays(context))
+    _run(backend or library, library, "verify",
+         dict(context=context, plan=plan, check_expected_token=bool(check_expected_token)))
+
+
+def _context_arrays(context: CanaryContext) -> dict:
+    arrays = {
+        "violation_ring": context.violation_log.ring,
+        "violation_write_index": context.violation_log.write_index,
+        "slot_run_counter": context.slot_run_counter,
+        "kernel_run_counter": context.kernel_run_counter,
+        "enable_chain_position_assert": context.enable_chain_position_assert,
+    }
+    for index, source in enumerate(context.real_kv_sources):
+        arrays[f"real_kv_sources[{index}].tensor"] = source.tensor
+    return arrays
+
+
+def _run(chosen: str, library: str, launch: str, kwargs: dict) -> None:
+    """Run ``launch`` on ``chosen``'s backend; when the arrays live in the other library,
+    copy them over and copy back what changed (outputs are updated in place)."""
+    run = getattr(_backend_module(chosen), launch)
+    if chosen == library:
+        run(**kwargs)
+        return
+    from .transfer import moved
+
+    with moved(kwargs, chosen) as moved_kwargs:
+        run(**moved_kwargs)

@@ -1,0 +1,66 @@
+"""What this installation is and can do (``kvcanary info``)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+
+import numpy as np
+
+from . import __version__
+from .consts import CANARY_CHAIN_ANCHOR, MAX_REAL_KV_SOURCES, MAX_REAL_KV_SOURCES_LIMIT
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cupy_report() -> tuple[str, str]:
+    try:
+        import cupy
+    except ImportError:
+        return "not installed", "none (cupy is not installed)"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        if count < 1:
+            return cupy.__version__, "none (no CUDA device visible)"
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        return cupy.__version__, f"{name} (sm_{props['major']}{props['minor']}, {count} visible)"
+    except Exception as exc:
+        return cupy.__version__, f"none ({type(exc).__name__}: {exc})"
+
+
+def _nvrtc_report() -> str:
+    try:
+        from cuda.core import experimental  # noqa: F401  (cuda-core's NVRTC front end)
+    except Exception:
+        pass
+    version = _package_version("nvidia-cuda-nvrtc")
+    return version
+
+
+def environment_report() -> dict:
+    from .kernel_source import kernel_dir
+
+    cupy_version, gpu = _cupy_report()
+    try:
+        kernels = str(kernel_dir())
+    except FileNotFoundError as exc:
+        kernels = str(exc)
+    return {
+        "kvcanary": __version__,
+        "python": platform.python_version(),
+        "hash scheme": (
+            f"splitmix64_mix3(prev_hash, token, position), anchor {CANARY_CHAIN_ANCHOR:#018x}"
+        ),
+        "real-KV sources": f"default bound {MAX_REAL_KV_SOURCES}, up to {MAX_REAL_KV_SOURCES_LIMIT}",
+        "numpy": np.__version__,
+        "cupy": cupy_version,
+        "nvrtc (pip)": _nvrtc_report(),
+        "gpu": gpu,
+        "kernel sources": kernels,
+    }

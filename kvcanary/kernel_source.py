@@ -1,0 +1,21 @@
+"""Where the CUDA C sources live: inside the installed package (``kvcanary/kernels``,
+shipped in the wheel) or beside the package in a checkout (``kernels/``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def kernel_dir() -> Path:
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "kernels", package.parent / "kernels"):
+        if (candidate / "kvc_consts.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(
+        "kv-canary: CUDA kernel sources not found (looked in "
+        f"{package / 'kernels'} and {package.parent / 'kernels'}); reinstall kvcanary"
+    )
+
+
+def read_source(name: str) -> str:
+    return (kernel_dir() / name).read_text(encoding="utf-8")

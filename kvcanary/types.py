@@ -1,0 +1,421 @@
+"""The data types of the public API: real-KV sources, plans, the violation log and the
+launch context. Field names, dtypes and shapes are upstream's (spec §2.8, §3.1, §4.1).
+
+Construction only brings arrays in (DLPack for foreign arrays); the checks run at launch,
+where upstream runs them, through the ``validate`` methods."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import arrays as A
+from .consts import (
+    CANARY_FIELDS_PER_SLOT,
+    EXPECTED_TOKEN_UNKNOWN,
+    MAX_REAL_KV_SOURCES,
+    MAX_REAL_KV_SOURCES_LIMIT,
+    REAL_KV_ALIGN_BYTES,
+    REAL_KV_PARTIAL_READ_BYTES,
+    VIOLATION_FIELDS,
+    LaunchTag,
+    RealKvHashMode,
+)
+
+_INT64 = (np.int64,)
+_INT32 = (np.int32,)
+
+
+@dataclass(frozen=True, eq=False)
+class RealKvSource:
+    """One piece of the real KV pool to fingerprint.
+
+    ``tensor`` is any 2-D array whose last dimension is unit-stride; its rows are read as
+    bytes with the row stride taken from the array (rows may be wider than the slots they
+    pack). Slot ``s`` reads ``(s // page_size) * row_stride + (s % page_size) *
+    num_bytes_per_token`` onwards.
+    """
+
+    tensor: object
+    page_size: int
+    num_bytes_per_token: int
+    read_bytes: int
+
+    def __init__(self, tensor, *, page_size: int, num_bytes_per_token: int, read_bytes: int):
+        if page_size < 1:
+            raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {page_size}")
+        if num_bytes_per_token <= 0 or num_bytes_per_token % REAL_KV_ALIGN_BYTES:
+            raise ValueError(
+                "kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, "
+                f"got {num_bytes_per_token}"
+            )
+        if read_bytes <= 0 or read_bytes > num_bytes_per_token or read_bytes % REAL_KV_ALIGN_BYTES:
+            raise ValueError(
+                "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
+                f"(0, num_bytes_per_token={num_bytes_per_token}], got {read_bytes}"
+            )
+        tensor = A.as_array(tensor, "RealKvSource.tensor")
+        if tensor.ndim < 2:
+            raise ValueError(
+                f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape {tuple(tensor.shape)}"
+            )
+        row_stride_bytes = int(tensor.strides[0])
+        if row_stride_bytes % REAL_KV_ALIGN_BYTES:
+            raise ValueError(
+                "kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, got "
+                f"{row_stride_bytes} bytes (shape={tuple(tensor.shape)}, "
+                f"strides={tuple(tensor.strides)}, dtype={tensor.dtype})"
+            )
+        if tensor.shape[-1] > 1 and int(tensor.strides[-1]) != tensor.dtype.itemsize:
+            raise ValueError(
+                "kv-canary: RealKvSource.tensor last dimension must be unit-stride, got "
+                f"strides={tuple(tensor.strides)} for dtype={tensor.dtype}"
+            )
+        object.__setattr__(self, "tensor", tensor)
+        object.__setattr__(self, "page_size", int(page_size))
+        object.__setattr__(self, "num_bytes_per_token", int(num_bytes_per_token))
+        object.__setattr__(self, "read_bytes", int(read_bytes))
+
+    @property
+    def row_stride_bytes(self) -> int:
+        return int(self.tensor.strides[0])
+
+    @property
+    def row_bytes(self) -> int:
+        """Readable bytes per row (dim-1 width of the uint8 view)."""
+        return int(self.tensor.shape[1]) * self.tensor.dtype.itemsize
+
+    @property
+    def num_slots(self) -> int:
+        """How many slots this source holds bytes for."""
+        return int(self.tensor.shape[0]) * self.page_size
+
+    def effective_read_bytes(self, mode: RealKvHashMode) -> int:
+        if mode == RealKvHashMode.NONE:
+            return 0
+        if mode == RealKvHashMode.PARTIAL:
+            return REAL_KV_PARTIAL_READ_BYTES
+        return self.read_bytes
+
+    def byte_rows(self):
+        """The tensor as a 2-D uint8 view ``[rows, row_bytes]`` sharing its memory."""
+        t = self.tensor
+        return t if t.dtype == np.uint8 else t.view(np.uint8)
+
+
+@dataclass(eq=False)
+class VerifyPlan:
+    verify_slot_indices: object
+    verify_expected_tokens: object
+    verify_expected_positions: object
+    verify_prev_slot_indices: object
+    verify_num_valid: object
+    enable: object
+
+    FIELDS = (
+        "verify_slot_indices",
+        "verify_expected_tokens",
+        "verify_expected_positions",
+        "verify_prev_slot_indices",
+    )
+
+    def __post_init__(self):
+        for name in self.FIELDS + ("verify_num_valid", "enable"):
+            setattr(self, name, A.as_array(getattr(self, name), f"plan.{name}"))
+
+    @classmethod
+    def allocate(cls, verify_capacity: int, xp=np) -> "VerifyPlan":
+        if verify_capacity <= 0:
+            raise ValueError(
+                f"kv-canary: VerifyPlan verify_capacity must be positive, got {verify_capacity}"
+            )
+        return cls(
+            verify_slot_indices=xp.zeros(verify_capacity, dtype=xp.int64),
+            verify_expected_tokens=xp.full(verify_capacity, EXPECTED_TOKEN_UNKNOWN, dtype=xp.int64),
+            verify_expected_positions=xp.zeros(verify_capacity, dtype=xp.int64),
+            verify_prev_slot_indices=xp.zeros(verify_capacity, dtype=xp.int64),
+            verify_num_valid=xp.zeros(1, dtype=xp.int32),
+            enable=xp.ones(1, dtype=xp.int32),
+        )
+
+    @staticmethod
+    def allocation_bytes(verify_capacity: int) -> int:
+        return 4 * verify_capacity * 8 + 2 * 4
+
+    @property
+    def verify_capacity(self) -> int:
+        return int(self.verify_slot_indices.shape[0])
+
+    def arrays(self) -> dict:
+        return {f"plan.{n}": getattr(self, n) for n in self.FIELDS + ("verify_num_valid", "enable")}
+
+    def validate(self) -> None:
+        capacity = self.verify_slot_indices.shape[0] if self.verify_slot_indices.ndim else 0
+        for name in self.FIELDS:
+            A.check_array(getattr(self, name), f"plan.{name}", _INT64, 1, capacity)
+        A.check_array(self.verify_num_valid, "plan.verify_num_valid", _INT32, 1, 1)
+        A.check_array(self.enable, "plan.enable", _INT32, 1, 1)
+
+
+@dataclass(eq=False)
+class WritePlan:
+    write_offsets: object
+    write_seed_slot_indices: object
+    write_num_valid_reqs: object
+
+    def __post_init__(self):
+        for name in ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs"):
+            setattr(self, name, A.as_array(getattr(self, name), f"plan.{name}"))
+
+    @classmethod
+    def allocate(cls, write_req_capacity: int, xp=np) -> "WritePlan":
+        if write_req_capacity <= 0:
+            raise ValueError(
+                "kv-canary: WritePlan write_req_capacity must be positive, "
+                f"got {write_req_capacity}"
+            )
+        return cls(
+            write_offsets=xp.zeros(write_req_capacity + 1, dtype=xp.int64),
+            write_seed_slot_indices=xp.full(write_req_capacity, -1, dtype=xp.int64),
+            write_num_valid_reqs=xp.zeros(1, dtype=xp.int32),
+        )
+
+    @property
+    def write_req_capacity(self) -> int:
+        return int(self.write_seed_slot_indices.shape[0])
+
+    def arrays(self) -> dict:
+        return {
+            "plan.write_offsets": self.write_offsets,
+            "plan.write_seed_slot_indices": self.write_seed_slot_indices,
+            "plan.write_num_valid_reqs": self.write_num_valid_reqs,
+        }
+
+    def validate(self) -> None:
+        A.check_array(self.write_seed_slot_indices, "plan.write_seed_slot_indices", _INT64, 1)
+        A.check_array(self.write_offsets, "plan.write_offsets", _INT64, 1)
+        A.check_array(self.write_num_valid_reqs, "plan.write_num_valid_reqs", _INT32, 1, 1)
+        capacity = self.write_req_capacity
+        if self.write_offsets.shape[0] != capacity + 1:
+            raise ValueError(
+                "kv-canary: write_offsets_len must equal write_req_capacity + 1, got "
+                f"{self.write_offsets.shape[0]} and {capacity + 1}"
+            )
+
+
+@dataclass(eq=False)
+class ViolationLog:
+    """The shared violation sink: an ``int64[cap, 8]`` ring that never wraps and an
+    ``int32[1]`` index that always counts, so ``write_index - cap`` rows were dropped."""
+
+    ring: object
+    write_index: object
+
+    def __post_init__(self):
+        self.ring = A.as_array(self.ring, "violation_ring")
+        self.write_index = A.as_array(self.write_index, "violation_write_index")
+
+    @classmethod
+    def allocate(cls, ring_capacity: int, xp=np) -> "ViolationLog":
+        if ring_capacity <= 0:
+            raise ValueError(
+                f"kv-canary: ViolationLog ring_capacity must be positive, got {ring_capacity}"
+            )
+        return cls(
+            ring=xp.zeros((ring_capacity, VIOLATION_FIELDS), dtype=xp.int64),
+            write_index=xp.zeros(1, dtype=xp.int32),
+        )
+
+    def validate(self) -> None:
+        A.check_contiguous(self.ring, "violation_ring")
+        A.check_dtype(self.ring, "violation_ring", np.int64)
+        A.check_ndim(self.ring, "violation_ring", 2)
+        if self.ring.shape[1] != VIOLATION_FIELDS or self.ring.shape[0] < 1:
+            raise ValueError(
+                f"kv-canary: violation_ring must have shape [N, {VIOLATION_FIELDS}] with N >= 1, "
+                f"got {tuple(self.ring.shape)}"
+            )
+        A.check_array(self.write_index, "violation_write_index", _INT32, 1, 1)
+
+    @property
+    def ring_capacity(self) -> int:
+        return int(self.ring.shape[0])
+
+    @property
+    def total(self) -> int:
+        """Violations recorded since the last clear, dropped ones included."""
+        return int(_host(self.write_index)[0])
+
+    @property
+    def valid_rows(self) -> int:
+        return max(0, min(self.total, self.ring_capacity))
+
+    @property
+    def ring_overflow(self) -> bool:
+        return self.total > self.ring_capacity
+
+    @property
+    def dropped(self) -> int:
+        return max(0, self.total - self.ring_capacity)
+
+    @property
+    def is_errored(self) -> bool:
+        return self.total > 0
+
+    def clear(self) -> None:
+        self.ring[...] = 0
+        self.write_index[...] = 0
+
+    def rows(self) -> np.ndarray:
+        """The valid rows as a host ``int64[valid_rows, 8]`` copy, in ring order."""
+        return np.array(_host(self.ring[: self.valid_rows]), dtype=np.int64, copy=True)
+
+    def violations(self) -> list:
+        from .violations import Violation
+
+        return [Violation.from_row(row) for row in self.rows()]
+
+
+def _host(array) -> np.ndarray:
+    return array.get() if A.is_cupy_array(array) else np.asarray(array)
+
+
+@dataclass(eq=False)
+class CanaryContext:
+    """Everything a write or verify launch needs besides its plan (spec §2.8)."""
+
+    canary_buf: object
+    kernel_kind: int
+    violation_log: ViolationLog
+    slot_run_counter: object
+    kernel_run_counter: object
+    real_kv_sources: tuple = ()
+    real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE
+    enable_chain_position_assert: object = None
+    max_real_kv_sources: int = MAX_REAL_KV_SOURCES
+
+    def __init__(
+        self,
+        canary_buf,
+        *,
+        kernel_kind,
+        violation_log: ViolationLog,
+        slot_run_counter,
+        kernel_run_counter,
+        real_kv_sources=(),
+        real_kv_hash_mode=RealKvHashMode.NONE,
+        enable_chain_position_assert=None,
+        max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
+    ):
+        self.canary_buf = A.as_array(canary_buf, "canary_buf")
+        self.kernel_kind = int(kernel_kind)
+        self.violation_log = violation_log
+        self.slot_run_counter = A.as_array(slot_run_counter, "slot_run_counter")
+        self.kernel_run_counter = A.as_array(kernel_run_counter, "kernel_run_counter")
+        self.real_kv_sources = tuple(real_kv_sources)
+        self.real_kv_hash_mode = RealKvHashMode(int(real_kv_hash_mode))
+        if enable_chain_position_assert is None:
+            xp = _namespace(self.canary_buf)
+            enable_chain_position_assert = xp.ones(1, dtype=xp.int32)
+        self.enable_chain_position_assert = A.as_array(
+            enable_chain_position_assert, "enable_chain_position_assert"
+        )
+        if not (1 <= int(max_real_kv_sources) <= MAX_REAL_KV_SOURCES_LIMIT):
+            raise ValueError(
+                f"kv-canary: max_real_kv_sources must be in [1, {MAX_REAL_KV_SOURCES_LIMIT}], "
+                f"got {max_real_kv_sources}"
+            )
+        self.max_real_kv_sources = int(max_real_kv_sources)
+
+    @property
+    def launch_tag(self):
+        try:
+            return LaunchTag(self.kernel_kind)
+        except ValueError:
+            return None
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.canary_buf.shape[0])
+
+    @property
+    def hashing(self) -> bool:
+        """Whether launches fold real KV bytes (a mode other than NONE and any source)."""
+        return self.real_kv_hash_mode != RealKvHashMode.NONE and len(self.real_kv_sources) > 0
+
+    def validate_sources(self) -> None:
+        """The source-count bound: checked first, on every backend, before any launch."""
+        bound = self.max_real_kv_sources
+        if len(self.real_kv_sources) > bound:
+            raise ValueError(
+                f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "
+                f"got {len(self.real_kv_sources)}\n"
+                f"(pass CanaryContext(max_real_kv_sources=N) with N >= "
+                f"{len(self.real_kv_sources)}, at most {MAX_REAL_KV_SOURCES_LIMIT}, to compile "
+                "a kernel variant with more sources; no rebuild is needed)"
+            )
+        for index, source in enumerate(self.real_kv_sources):
+            if not isinstance(source, RealKvSource):
+                raise TypeError(
+                    f"kv-canary: real_kv_sources[{index}] must be a RealKvSource, "
+                    f"got {type(source).__name__}"
+                )
+
+    def validate(self) -> None:
+        """Every launch-time check of the context, in upstream's order."""
+        self.validate_sources()
+        buf = self.canary_buf
+        A.check_contiguous(buf, "canary_buf")
+        A.check_dtype(buf, "canary_buf", np.uint8)
+        A.check_ndim(buf, "canary_buf", 2)
+        if buf.shape[1] < CANARY_FIELDS_PER_SLOT * 8:
+            raise ValueError(
+                "kv-canary: canary_buf slot stride must hold at least 4 int64 fields, "
+                f"got {buf.shape[1] // 8}"
+            )
+        if buf.shape[1] % 8:
+            raise ValueError(
+                f"kv-canary: canary_buf slot stride must be a multiple of 8 bytes, got {buf.shape[1]}"
+            )
+        self.violation_log.validate()
+        A.check_array(self.slot_run_counter, "slot_run_counter", _INT64, 1, 1)
+        A.check_array(self.kernel_run_counter, "kernel_run_counter", _INT64, 1, 1)
+        A.check_array(
+            self.enable_chain_position_assert, "enable_chain_position_assert", _INT32, 1, 1
+        )
+        library = A.library_of(buf)
+        for index, source in enumerate(self.real_kv_sources):
+            name = f"real_kv_sources[{index}].tensor"
+            if source.tensor.ndim != 2:
+                raise ValueError(
+                    f"kv-canary: {name} (viewed as uint8) must be 2-D, got {source.tensor.ndim}-D"
+                )
+            if A.library_of(source.tensor) != library:
+                raise ValueError(
+                    f"kv-canary: {name} is a {A.library_of(source.tensor)} array but canary_buf "
+                    f"is a {library} array; pass arrays of one library"
+                )
+            if not self.hashing:
+                continue  # NONE mode never dereferences a source
+            min_row_bytes = source.page_size * source.num_bytes_per_token
+            if source.row_bytes < min_row_bytes:
+                raise ValueError(
+                    "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is "
+                    f"{source.row_bytes} bytes but page_size={source.page_size} x "
+                    f"num_bytes_per_token={source.num_bytes_per_token} needs {min_row_bytes}"
+                )
+            if source.num_slots < self.num_slots:
+                raise ValueError(
+                    f"kv-canary: {name} holds {source.num_slots} slots "
+                    f"({source.tensor.shape[0]} rows x page_size {source.page_size}) but "
+                    f"canary_buf has {self.num_slots}; every canary slot needs its real KV bytes"
+                )
+
+
+def _namespace(array):
+    if A.is_cupy_array(array):
+        import cupy
+
+        return cupy
+    return np
