@@ -35,12 +35,8 @@ def _cupy_report() -> tuple[str, str]:
 
 
 def _nvrtc_report() -> str:
-    try:
-        from cuda.core import experimental  # noqa: F401  (cuda-core's NVRTC front end)
-    except Exception:
-        pass
-    version = _package_version("nvidia-cuda-nvrtc")
-    return version
+    """NVRTC from pip (nvidia-cuda-nvrtc), which the compile checks and cupy can use."""
+    return _package_version("nvidia-cuda-nvrtc")
 
 
 def environment_report() -> dict:
