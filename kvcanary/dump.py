@@ -1,0 +1,499 @@
+"""Dump format v1: one canary buffer and the tables needed to verify it.
+
+Three containers hold the same keys (DESIGN.md, "Dump format v1"):
+
+* ``.npz``            a numpy zip archive (``numpy.savez``),
+* a directory         one ``KEY.npy`` file per key, memory-mapped on load,
+* ``.safetensors``    through the ``safetensors`` package's numpy API (optional import);
+                      strings live in the file's metadata, KV of dtypes numpy lacks (bf16,
+                      fp8) is read as raw bytes.
+
+``save(path, **arrays)`` takes numpy or cupy arrays, anything with ``__dlpack__`` or
+``__array__`` (torch tensors work without kvcanary importing torch), Python ints and strings.
+``load(path)`` validates every key and returns a :class:`Dump`; any problem raises
+:class:`DumpError`, whose message names the file and the key. Loading never writes to the input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .consts import LaunchTag, RealKvHashMode
+
+DUMP_VERSION = 1
+VERSION_KEY = "kvcanary_dump_version"
+STRING_KEYS = ("launch_tag", "real_kv_hash_mode")
+SYNTH_PREFIX = "synth_"
+
+# safetensors dtype names numpy can represent; others are read as raw bytes.
+_SAFETENSORS_NUMPY = {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
+    "F16": np.float16, "U32": np.uint32, "I32": np.int32, "F32": np.float32,
+    "U64": np.uint64, "I64": np.int64, "F64": np.float64,
+}
+
+
+class DumpError(ValueError):
+    """A dump that cannot be read or does not follow format v1. The message names the file
+    and the key at fault."""
+
+
+@dataclass(eq=False)
+class Dump:
+    """A validated dump. Arrays are numpy (memory-mapped and read-only where the container
+    allows); ``canary`` is always the ``uint8 [num_slots, stride]`` view."""
+
+    path: str
+    flavour: str
+    canary: np.ndarray
+    req_to_token: np.ndarray
+    req_pool_indices: np.ndarray
+    seq_lens: np.ndarray
+    launch_tag: LaunchTag = LaunchTag.TAIL_K_FULL
+    real_kv: tuple = ()
+    real_kv_params: np.ndarray | None = None
+    real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE
+    swa_window_size: int = 0
+    full_to_swa_index_mapping: np.ndarray | None = None
+    expected_tokens: np.ndarray | None = None
+    expected_tokens_valid_lens: np.ndarray | None = None
+    sweep_slot_indices: np.ndarray | None = None
+    sweep_prev_slot_indices: np.ndarray | None = None
+    sweep_positions: np.ndarray | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.canary.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_sweep_entries(self) -> int:
+        return 0 if self.sweep_slot_indices is None else int(self.sweep_slot_indices.shape[0])
+
+    def string(self, key: str, default: str | None = None) -> str | None:
+        """An extra (e.g. ``synth_``) string value."""
+        value = self.extra.get(key)
+        return default if value is None else str(value)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def flavour_of(path) -> str:
+    """``npz``, ``safetensors`` or ``dir`` (anything else: a directory of ``.npy``)."""
+    name = str(path)
+    if name.endswith(".npz"):
+        return "npz"
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    return "dir"
+
+
+def _host_array(value, key: str) -> np.ndarray:
+    """Any supported value as a numpy array (a copy only where the source is not host memory)."""
+    if isinstance(value, str):
+        return np.array(value)
+    if isinstance(value, (bool, int, np.integer)):
+        return np.array(int(value), dtype=np.int64)
+    if isinstance(value, np.ndarray):
+        return value
+    if type(value).__module__.split(".")[0] == "cupy":
+        return value.get()
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except Exception:
+            pass  # device memory or a dtype numpy lacks: try the other routes
+        if hasattr(value, "__dlpack_device__") and int(value.__dlpack_device__()[0]) in (2, 13):
+            try:
+                import cupy
+
+                return cupy.from_dlpack(value).get()
+            except Exception as exc:
+                raise DumpError(f"key {key}: cannot copy a device array to the host ({exc}); "
+                                "move it to host memory first") from None
+    if hasattr(value, "__array__"):
+        try:
+            return np.asarray(value)
+        except Exception as exc:
+            raise DumpError(f"key {key}: cannot convert {type(value).__name__} to numpy ({exc}); "
+                            "for dtypes numpy lacks (bf16, fp8) pass a uint8 view") from None
+    raise DumpError(f"key {key}: unsupported value of type {type(value).__name__}")
+
+
+def save(path, **arrays) -> str:
+    """Write a dump; the container follows the path (``.npz``, ``.safetensors``, else a
+    directory of ``.npy``). ``kvcanary_dump_version`` is added when missing. Returns the path."""
+    path = str(path)
+    flavour = flavour_of(path)
+    values = {VERSION_KEY: np.array(DUMP_VERSION, dtype=np.int64)}
+    for key, value in arrays.items():
+        if value is None:
+            continue
+        array = _host_array(value, key)
+        if array.dtype.kind == "O":
+            raise DumpError(f"{path}: key {key}: object arrays cannot be dumped")
+        values[key] = array
+    if flavour == "npz":
+        with open(path, "wb") as handle:
+            np.savez(handle, **values)
+    elif flavour == "dir":
+        os.makedirs(path, exist_ok=True)
+        for key, array in values.items():
+            np.save(os.path.join(path, f"{key}.npy"), array, allow_pickle=False)
+    else:
+        numpy_api = _safetensors_numpy(path)
+        metadata, tensors = {}, {}
+        for key, array in values.items():
+            if array.dtype.kind == "U":
+                if array.ndim != 0:
+                    raise DumpError(f"{path}: key {key}: safetensors holds strings only as 0-d values")
+                metadata[key] = str(array[()])
+            else:
+                tensors[key] = np.ascontiguousarray(array)
+        numpy_api.save_file(tensors, path, metadata=metadata or None)
+    return path
+
+
+def _safetensors_numpy(path):
+    try:
+        import safetensors.numpy
+    except ImportError:
+        raise DumpError(f"{path}: .safetensors dumps need the safetensors package "
+                        "(pip install safetensors)") from None
+    return safetensors.numpy
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _read_npz(path: str) -> dict:
+    import zipfile
+
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise DumpError(f"{path}: not a readable .npz file ({exc})") from None
+    if not hasattr(archive, "files"):
+        raise DumpError(f"{path}: not an .npz archive (a single array)")
+    values = {}
+    with archive:
+        for name in archive.files:
+            try:
+                values[name] = archive[name]
+            except Exception as exc:
+                raise DumpError(f"{path}: key {name}: cannot read ({_reason(exc)})") from None
+    return values
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    text = text[0] if text else type(exc).__name__
+    if "allow_pickle" in text or "Object arrays" in text:
+        return "object (pickled) arrays are refused"
+    return text
+
+
+def _read_dir(path: str) -> dict:
+    values = {}
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as exc:
+        raise DumpError(f"{path}: cannot list the dump directory ({exc.strerror})") from None
+    for name in names:
+        if not name.endswith(".npy"):
+            continue
+        key, file = name[: -len(".npy")], os.path.join(path, name)
+        try:
+            try:
+                values[key] = np.load(file, mmap_mode="r", allow_pickle=False)
+            except ValueError as exc:
+                if "allow_pickle" in str(exc) or "Object arrays" in str(exc):
+                    raise
+                values[key] = np.load(file, allow_pickle=False)  # e.g. empty arrays
+        except Exception as exc:
+            raise DumpError(f"{file}: key {key}: cannot read ({_reason(exc)})") from None
+    return values
+
+
+def _read_safetensors(path: str) -> dict:
+    _safetensors_numpy(path)
+    from safetensors import safe_open
+
+    try:
+        header = _safetensors_header(path)
+        values = {}
+        with safe_open(path, framework="numpy") as handle:
+            for key, value in (handle.metadata() or {}).items():
+                if key != "__metadata__":
+                    values[key] = np.array(value)
+            for key in handle.keys():
+                info = header[key]
+                if info["dtype"] in _SAFETENSORS_NUMPY:
+                    values[key] = handle.get_tensor(key)
+                else:
+                    values[key] = _raw_tensor(path, header, key)
+    except DumpError:
+        raise
+    except Exception as exc:
+        raise DumpError(f"{path}: not a readable .safetensors file ({_reason(exc)})") from None
+    return values
+
+
+def _safetensors_header(path: str) -> tuple:
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) != 8:
+            raise DumpError(f"{path}: truncated .safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        header = json.loads(handle.read(length))
+    header["__data_start__"] = 8 + length
+    return header
+
+
+def _raw_tensor(path: str, header: dict, key: str) -> np.ndarray:
+    """A tensor of a dtype numpy lacks, as ``uint8`` with the last dim in bytes."""
+    info = header[key]
+    begin, end = info["data_offsets"]
+    shape = list(info["shape"]) or [1]
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    nbytes = end - begin
+    if rows <= 0 or nbytes % rows:
+        raise DumpError(f"{path}: key {key}: {info['dtype']} data of {nbytes} bytes does not "
+                        f"split into shape {info['shape']}")
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=header["__data_start__"] + begin,
+                     shape=(nbytes,)) if nbytes else np.zeros(0, np.uint8)
+    return data.reshape(shape[:-1] + [nbytes // rows])
+
+
+def read_raw(path) -> tuple[str, dict]:
+    """``(flavour, {key: array})`` without validation."""
+    path = str(path)
+    if not os.path.exists(path):
+        raise DumpError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        return "dir", _read_dir(path)
+    flavour = flavour_of(path)
+    if flavour == "safetensors":
+        return flavour, _read_safetensors(path)
+    if flavour == "npz":
+        return flavour, _read_npz(path)
+    raise DumpError(f"{path}: unknown dump container (expected .npz, .safetensors or a "
+                    "directory of .npy files)")
+
+
+class _Checker:
+    def __init__(self, path: str, values: dict):
+        self.path, self.values = path, values
+
+    def fail(self, key: str, message: str):
+        raise DumpError(f"{self.path}: key {key}: {message}")
+
+    def get(self, key: str, *, required: bool):
+        if key not in self.values:
+            if required:
+                raise DumpError(f"{self.path}: key {key}: missing (required by dump format v1)")
+            return None
+        value = self.values[key]
+        if value.dtype.kind in "OV" and not key.startswith("real_kv_"):
+            self.fail(key, f"unsupported dtype {value.dtype}")
+        return value
+
+    def integer(self, key: str, array, dtypes, ndim: int, shape: tuple | None = None):
+        wanted = " or ".join(np.dtype(d).name for d in dtypes)
+        if array.dtype not in [np.dtype(d) for d in dtypes]:
+            self.fail(key, f"dtype must be {wanted}, got {array.dtype}")
+        if array.ndim != ndim:
+            self.fail(key, f"must be {ndim}-D, got shape {tuple(array.shape)}")
+        if shape is not None:
+            for axis, (got, want) in enumerate(zip(array.shape, shape)):
+                if want is not None and got != want:
+                    self.fail(key, f"shape {tuple(array.shape)} does not match: dim {axis} must "
+                                   f"be {want}")
+        return array
+
+    def scalar_int(self, key: str, array) -> int:
+        if array.dtype.kind not in "iu" or array.size != 1 or array.ndim > 1:
+            self.fail(key, f"must be an integer scalar, got dtype {array.dtype} shape "
+                           f"{tuple(array.shape)}")
+        return int(np.asarray(array).reshape(-1)[0])
+
+    def string(self, key: str, array) -> str:
+        if array.dtype.kind not in "US" or array.ndim != 0:
+            self.fail(key, f"must be a string (0-d unicode array), got dtype {array.dtype} "
+                           f"shape {tuple(array.shape)}")
+        value = array[()]
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    def nonnegative(self, key: str, array):
+        if array.size and int(np.min(array)) < 0:
+            self.fail(key, f"holds a negative value ({int(np.min(array))})")
+
+
+def load(path) -> Dump:
+    """Read and validate a dump (format v1); raises :class:`DumpError`."""
+    path = str(path)
+    flavour, values = read_raw(path)
+    return validate(path, flavour, values)
+
+
+def validate(path: str, flavour: str, values: dict) -> Dump:
+    c = _Checker(path, values)
+    version = c.scalar_int(VERSION_KEY, c.get(VERSION_KEY, required=True))
+    if version != DUMP_VERSION:
+        c.fail(VERSION_KEY, f"unsupported dump version {version} (this kvcanary reads {DUMP_VERSION})")
+
+    canary = c.get("canary", required=True)
+    if canary.dtype == np.int64:
+        c.integer("canary", canary, (np.int64,), 2, (None, 4))
+        canary = canary.view(np.uint8) if canary.flags.c_contiguous else None
+        if canary is None:
+            c.fail("canary", "int64 canary must be C-contiguous")
+    else:
+        c.integer("canary", canary, (np.uint8,), 2)
+        if canary.shape[1] < 32 or canary.shape[1] % 8:
+            c.fail("canary", f"slot stride must be a multiple of 8 bytes and at least 32, got "
+                             f"shape {tuple(canary.shape)}")
+    if canary.shape[0] < 1:
+        c.fail("canary", "has no slots")
+    if not canary.flags.c_contiguous:
+        canary = np.ascontiguousarray(canary)
+
+    req_to_token = c.integer("req_to_token", c.get("req_to_token", required=True),
+                             (np.int32, np.int64), 2)
+    rows = c.integer("req_pool_indices", c.get("req_pool_indices", required=True), (np.int64,), 1)
+    bs = rows.shape[0]
+    seq_lens = c.integer("seq_lens", c.get("seq_lens", required=True), (np.int64,), 1, (bs,))
+    c.nonnegative("req_pool_indices", rows)
+    c.nonnegative("seq_lens", seq_lens)
+
+    dump = Dump(path=path, flavour=flavour, canary=canary, req_to_token=req_to_token,
+                req_pool_indices=rows, seq_lens=seq_lens)
+
+    tag = c.get("launch_tag", required=False)
+    if tag is not None:
+        name = c.string("launch_tag", tag).strip().upper()
+        if name not in LaunchTag.__members__:
+            c.fail("launch_tag", f"unknown launch tag {name!r} (one of "
+                                 f"{', '.join(LaunchTag.__members__)})")
+        dump.launch_tag = LaunchTag[name]
+
+    _load_real_kv(c, dump)
+    _load_swa(c, dump)
+    _load_expected(c, dump, bs)
+    _load_sweep(c, dump)
+
+    known = {VERSION_KEY, "canary", "req_to_token", "req_pool_indices", "seq_lens", "launch_tag",
+             "real_kv_params", "real_kv_hash_mode", "swa_window_size", "full_to_swa_index_mapping",
+             "expected_tokens", "expected_tokens_valid_lens", "sweep_slot_indices",
+             "sweep_prev_slot_indices", "sweep_positions"}
+    for key, value in values.items():
+        if key in known or key.startswith("real_kv_"):
+            continue
+        if value.dtype.kind == "U" and value.ndim == 0:
+            value = str(value[()])
+        dump.extra[key] = value
+    return dump
+
+
+def _load_real_kv(c: _Checker, dump: Dump) -> None:
+    from .types import RealKvSource
+
+    source_keys = sorted(k for k in c.values if k.startswith("real_kv_")
+                         and k[len("real_kv_"):].isdigit())
+    params = c.get("real_kv_params", required=bool(source_keys))
+    if params is None:
+        mode = c.get("real_kv_hash_mode", required=False)
+        if mode is not None:
+            dump.real_kv_hash_mode = _mode(c, mode)
+        return
+    count = params.shape[0] if params.ndim == 2 else -1
+    c.integer("real_kv_params", params, (np.int64,), 2, (None, 3))
+    expected = [f"real_kv_{i}" for i in range(count)]
+    for key in expected:
+        c.get(key, required=True)
+    extra = sorted(set(source_keys) - set(expected))
+    if extra:
+        c.fail(extra[0], f"real_kv_params has {count} rows, so sources are real_kv_0 .. "
+                         f"real_kv_{count - 1}")
+    dump.real_kv_hash_mode = _mode(c, c.get("real_kv_hash_mode", required=True))
+    dump.real_kv_params = np.asarray(params)
+    sources = []
+    for index, key in enumerate(expected):
+        tensor = c.values[key]
+        if tensor.dtype.kind == "O":
+            c.fail(key, "object arrays are refused")
+        if tensor.ndim != 2:
+            c.fail(key, f"must be 2-D (rows read as bytes), got shape {tuple(tensor.shape)}")
+        if tensor.dtype != np.uint8:
+            if not tensor.flags.c_contiguous:
+                tensor = np.ascontiguousarray(tensor)
+            tensor = tensor.view(np.uint8)
+        page_size, bytes_per_token, read_bytes = (int(v) for v in params[index])
+        try:
+            source = RealKvSource(tensor, page_size=page_size, num_bytes_per_token=bytes_per_token,
+                                  read_bytes=read_bytes)
+        except ValueError as exc:
+            c.fail(f"real_kv_params[{index}]", str(exc).removeprefix("kv-canary: "))
+        if dump.real_kv_hash_mode != RealKvHashMode.NONE:
+            if source.row_bytes < page_size * bytes_per_token:
+                c.fail(key, f"rows of {source.row_bytes} bytes are narrower than page_size "
+                            f"{page_size} x {bytes_per_token} bytes per token")
+            if source.num_slots < dump.num_slots:
+                c.fail(key, f"holds {source.num_slots} slots but the canary has {dump.num_slots}")
+        sources.append(tensor)
+    dump.real_kv = tuple(sources)
+
+
+def _mode(c: _Checker, array) -> RealKvHashMode:
+    name = c.string("real_kv_hash_mode", array).strip().upper()
+    if name not in RealKvHashMode.__members__:
+        c.fail("real_kv_hash_mode", f"must be none, partial or all, got {name.lower()!r}")
+    return RealKvHashMode[name]
+
+
+def _load_swa(c: _Checker, dump: Dump) -> None:
+    window = c.get("swa_window_size", required=False)
+    if window is not None:
+        dump.swa_window_size = c.scalar_int("swa_window_size", window)
+        if dump.swa_window_size < 0:
+            c.fail("swa_window_size", f"must be >= 0, got {dump.swa_window_size}")
+    lut = c.get("full_to_swa_index_mapping", required=dump.swa_window_size > 0)
+    if lut is not None:
+        dump.full_to_swa_index_mapping = c.integer("full_to_swa_index_mapping", lut, (np.int64,), 1)
+
+
+def _load_expected(c: _Checker, dump: Dump, bs: int) -> None:
+    pool = c.get("expected_tokens", required=False)
+    lens = c.get("expected_tokens_valid_lens", required=pool is not None)
+    if lens is not None and pool is None:
+        c.get("expected_tokens", required=True)
+    if pool is None:
+        return
+    dump.expected_tokens = c.integer("expected_tokens", pool, (np.int32, np.int64), 2)
+    dump.expected_tokens_valid_lens = c.integer("expected_tokens_valid_lens", lens, (np.int64,),
+                                                1, (bs,))
+    c.nonnegative("expected_tokens_valid_lens", lens)
+
+
+def _load_sweep(c: _Checker, dump: Dump) -> None:
+    keys = ("sweep_slot_indices", "sweep_prev_slot_indices", "sweep_positions")
+    present = [k for k in keys if k in c.values]
+    if not present:
+        return
+    arrays = [c.get(k, required=True) for k in keys]
+    length = arrays[0].shape[0] if arrays[0].ndim == 1 else None
+    for key, array in zip(keys, arrays):
+        c.integer(key, array, (np.int64,), 1, (length,))
+    c.nonnegative("sweep_positions", arrays[2])
+    dump.sweep_slot_indices, dump.sweep_prev_slot_indices, dump.sweep_positions = arrays
+
