@@ -1,0 +1,159 @@
+// Plan (spec §5.2): turn a batch into a VerifyPlan and a WritePlan, in two launches.
+// Same rules as kvcanary/reference/plan.py, per batch row r (table row rp, prefix P, extend E):
+//   active         rp != 0 (row 0 is the padding row)
+//   window start   max(0, P - window) with a sliding window, else 0
+//   verify entries positions [window_start, P): slot T(table[rp, pos]), expected position
+//                  pos, predecessor T(table[rp, pos-1]) or -1 at position 0, expected token
+//                  from the token pool at pos + offset when inside the valid length, else -1
+//   overflow       more entries than capacity: num_valid = capacity, enable = 0, nothing
+//                  scattered
+//   write          offsets = exclusive prefix sum of E over active rows, seed
+//                  T(table[rp, P-1]) when P > 0 and E > 0, else -1; num_valid_reqs = bs
+//   T              the SWA LUT when given (negative slots pass through)
+//   out of table   a table read outside the table yields PLAN_SLOT_OUT_OF_TABLE; so does a
+//                  LUT index past the LUT (the reference raises there; a kernel cannot)
+// No source-count bound is needed here.
+#include "kvc_common.cuh"
+
+namespace kvc {
+
+// req_to_token is int32 or int64 (elem_bytes 4 or 8), row-major and contiguous.
+struct Table {
+  const void* data;
+  int64_t rows;
+  int64_t cols;
+  int32_t elem_bytes;
+};
+
+KVC_DEVICE bool table_inside(const Table& t, int64_t row, int64_t col) {
+  return t.data != nullptr && row >= 0 && row < t.rows && col >= 0 && col < t.cols;
+}
+
+// Element (row, col) sign-extended to int64; the caller checked table_inside.
+KVC_DEVICE int64_t table_at(const Table& t, int64_t row, int64_t col) {
+  const int64_t i = row * t.cols + col;
+  if (t.elem_bytes == 4) return static_cast<const int32_t*>(t.data)[i];
+  return static_cast<const int64_t*>(t.data)[i];
+}
+
+// req_to_token[row, col], or the out-of-table marker.
+KVC_DEVICE int64_t table_slot(const Table& table, int64_t row, int64_t col) {
+  return table_inside(table, row, col) ? table_at(table, row, col) : kPlanSlotOutOfTable;
+}
+
+// SWA translation: negatives and the marker pass through; past the LUT becomes the marker.
+KVC_DEVICE int64_t translate(int64_t slot, const int64_t* lut, int64_t lut_len) {
+  if (lut == nullptr || slot < 0 || slot == kPlanSlotOutOfTable) return slot;
+  if (slot >= lut_len) return kPlanSlotOutOfTable;
+  return lut[slot];
+}
+
+KVC_DEVICE int64_t window_start(int64_t prefix_len, int64_t swa_window_size) {
+  if (swa_window_size <= 0) return 0;
+  const int64_t start = prefix_len - swa_window_size;
+  return start > 0 ? start : 0;
+}
+
+// Entries of one row, clamped to capacity + 1 so the sum cannot overflow and still
+// exceeds the capacity whenever the true sum does.
+KVC_DEVICE int64_t verify_len(int64_t rp, int64_t prefix_len, int64_t swa_window_size,
+                              int64_t capacity) {
+  if (rp == kReqPoolIdxPadding) return 0;
+  int64_t n = prefix_len - window_start(prefix_len, swa_window_size);
+  if (n < 0) n = 0;
+  if (n > capacity + 1) n = capacity + 1;
+  return n;
+}
+
+}  // namespace kvc
+
+// One thread walks the rows: exclusive prefix sums of the verify and write lengths, the
+// overflow rule, the write offsets (tail zeroed) and the seeds. Launched as 1 x 1.
+extern "C" __global__ void kvc_plan_offsets(
+    const int64_t* __restrict__ req_pool_indices, const int64_t* __restrict__ prefix_lens,
+    const int64_t* __restrict__ extend_seq_lens, int64_t bs, const void* __restrict__ req_to_token,
+    int64_t table_rows, int64_t table_cols, int32_t table_elem_bytes,
+    const int64_t* __restrict__ full_to_swa_index_mapping, int64_t lut_len, int64_t swa_window_size,
+    int64_t* __restrict__ verify_offsets_scratch, int64_t verify_capacity,
+    int32_t* __restrict__ verify_num_valid, int32_t* __restrict__ enable,
+    int64_t* __restrict__ write_offsets, int64_t write_req_capacity,
+    int64_t* __restrict__ write_seed_slot_indices, int32_t* __restrict__ write_num_valid_reqs) {
+  using namespace kvc;
+  if (global_thread() != 0) return;
+  const Table table{req_to_token, table_rows, table_cols, table_elem_bytes};
+  int64_t verify_total = 0;
+  int64_t write_total = 0;
+  write_offsets[0] = 0;
+  for (int64_t r = 0; r < bs; ++r) {
+    const int64_t rp = req_pool_indices[r];
+    const int64_t prefix = prefix_lens[r];
+    const int64_t extend = extend_seq_lens[r];
+    const bool active = rp != kReqPoolIdxPadding;
+    verify_offsets_scratch[r] = verify_total;
+    verify_total += verify_len(rp, prefix, swa_window_size, verify_capacity);
+    // Unsigned add: wraps like numpy's int64 cumsum instead of being undefined.
+    const int64_t write_len = active && extend > 0 ? extend : 0;
+    write_total = static_cast<int64_t>(static_cast<uint64_t>(write_total) +
+                                       static_cast<uint64_t>(write_len));
+    write_offsets[r + 1] = write_total;
+    int64_t seed = -1;
+    if (active && prefix > 0 && extend > 0) {
+      seed = translate(table_slot(table, rp, prefix - 1), full_to_swa_index_mapping, lut_len);
+    }
+    write_seed_slot_indices[r] = seed;
+  }
+  verify_offsets_scratch[bs] = verify_total;
+  for (int64_t r = bs + 1; r <= write_req_capacity; ++r) write_offsets[r] = 0;
+  if (verify_total > verify_capacity) {
+    verify_num_valid[0] = static_cast<int32_t>(verify_capacity);
+    enable[0] = 0;
+  } else {
+    verify_num_valid[0] = static_cast<int32_t>(verify_total);
+    enable[0] = 1;
+  }
+  write_num_valid_reqs[0] = static_cast<int32_t>(bs);
+}
+
+// Grid-stride over the flat verify entries: find the owning row by binary search on the
+// exclusive offsets, then gather slot, predecessor, position and expected token.
+extern "C" __global__ void kvc_plan_entries(
+    const int64_t* __restrict__ req_pool_indices, const int64_t* __restrict__ prefix_lens, int64_t bs,
+    const void* __restrict__ req_to_token, int64_t table_rows, int64_t table_cols,
+    int32_t table_elem_bytes, const int64_t* __restrict__ full_to_swa_index_mapping, int64_t lut_len,
+    int64_t swa_window_size, const void* __restrict__ req_to_verify_expected_tokens,
+    int64_t pool_rows, int64_t pool_cols, int32_t pool_elem_bytes,
+    const int64_t* __restrict__ req_to_verify_expected_tokens_valid_lens,
+    int64_t kv_token_id_vs_position_offset, const int64_t* __restrict__ verify_offsets_scratch,
+    int64_t verify_capacity, int64_t* __restrict__ verify_slot_indices,
+    int64_t* __restrict__ verify_expected_tokens, int64_t* __restrict__ verify_expected_positions,
+    int64_t* __restrict__ verify_prev_slot_indices) {
+  using namespace kvc;
+  if (bs <= 0) return;
+  const int64_t total = verify_offsets_scratch[bs];
+  if (total <= 0 || total > verify_capacity) return;  // overflow: nothing scattered
+  const Table table{req_to_token, table_rows, table_cols, table_elem_bytes};
+  const Table pool{req_to_verify_expected_tokens, pool_rows, pool_cols, pool_elem_bytes};
+  for (int64_t t = global_thread(); t < total; t += grid_threads()) {
+    // Largest r with offsets[r] <= t (zero-length rows share their successor's offset).
+    int64_t lo = 0, hi = bs - 1;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (verify_offsets_scratch[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    const int64_t r = lo;
+    const int64_t rp = req_pool_indices[r];
+    const int64_t pos = window_start(prefix_lens[r], swa_window_size) + (t - verify_offsets_scratch[r]);
+    verify_slot_indices[t] = translate(table_slot(table, rp, pos), full_to_swa_index_mapping, lut_len);
+    verify_expected_positions[t] = pos;
+    // A window head keeps its real predecessor: the chain runs over the whole prefix.
+    verify_prev_slot_indices[t] =
+        pos > 0 ? translate(table_slot(table, rp, pos - 1), full_to_swa_index_mapping, lut_len) : -1;
+    int64_t expected = kExpectedTokenUnknown;
+    const int64_t column = pos + kv_token_id_vs_position_offset;
+    if (pool.data != nullptr && column < req_to_verify_expected_tokens_valid_lens[r] &&
+        table_inside(pool, rp, column)) {
+      expected = table_at(pool, rp, column);
+    }
+    verify_expected_tokens[t] = expected;
+  }
+}

@@ -1,0 +1,375 @@
+"""The CUDA backend: ``plan``, ``write`` and ``verify`` on cupy arrays.
+
+The arguments arrive already validated by ``kvcanary.api``. Each launch is described
+once, as an ordered argument list (:func:`verify_args`, :func:`write_args`,
+:func:`plan_offsets_args`, :func:`plan_entries_args`), which is library-neutral: the
+GPU path hands it to a ``cupy.RawModule`` function, and the CPU test harness hands the
+same list to the same kernel source compiled by g++. Module compilation, descriptor
+packing, option building and grid sizing are plain functions that need no GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+
+from ..consts import MAX_REAL_KV_SOURCES_LIMIT, RealKvHashMode
+from ..kernel_source import kernel_dir
+
+# Kernel source file and entry points of each launch.
+KERNEL_FILES = {
+    "verify": ("kvc_verify.cu", ("kvc_verify",)),
+    "write": ("kvc_write.cu", ("kvc_write",)),
+    "plan": ("kvc_plan.cu", ("kvc_plan_offsets", "kvc_plan_entries")),
+}
+CXX_STANDARD = "c++17"
+
+# Launch geometry: persistent grid-stride kernels get BLOCKS_PER_SM blocks per
+# multiprocessor of THREADS_PER_BLOCK threads, capped by the work; write runs one
+# thread per request.
+THREADS_PER_BLOCK = 256
+BLOCKS_PER_SM = 4
+WRITE_THREADS_PER_BLOCK = 128
+
+
+# ---------------------------------------------------------------------------------------
+# Compile settings (shared with the NVRTC compile check and the CPU harness)
+
+
+def check_bound(max_real_kv_sources: int) -> int:
+    bound = int(max_real_kv_sources)
+    if not 1 <= bound <= MAX_REAL_KV_SOURCES_LIMIT:
+        raise ValueError(
+            f"kv-canary: max_real_kv_sources must be in [1, {MAX_REAL_KV_SOURCES_LIMIT}], "
+            f"got {max_real_kv_sources}"
+        )
+    return bound
+
+
+def compile_defines(kernel: str, max_real_kv_sources: int | None,
+                    check_expected_token: bool = False) -> list[tuple[str, str]]:
+    """The ``-D`` macros of one module variant. ``max_real_kv_sources=None`` leaves the
+    bound undefined (only the compile check does that, to see the #error)."""
+    if kernel not in KERNEL_FILES:
+        raise ValueError(f"kv-canary: kernel must be one of {', '.join(KERNEL_FILES)}, got {kernel!r}")
+    defines = []
+    if max_real_kv_sources is not None:
+        defines.append(("KVC_MAX_REAL_KV_SOURCES", str(int(max_real_kv_sources))))
+    if kernel == "verify":
+        defines.append(("KVC_CHECK_VERIFY_EXPECTED_TOKEN", "1" if check_expected_token else "0"))
+    return defines
+
+
+def compile_options(kernel: str, max_real_kv_sources: int | None,
+                    check_expected_token: bool = False) -> tuple[str, ...]:
+    """NVRTC command-line options of one module variant (what ``cupy.RawModule`` gets)."""
+    options = [f"-std={CXX_STANDARD}", f"-I{kernel_dir()}"]
+    options += [f"-D{name}={value}" for name, value in
+                compile_defines(kernel, max_real_kv_sources, check_expected_token)]
+    return tuple(options)
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def expand_source(name: str) -> str:
+    """The kernel file with its local ``#include "..."`` headers inlined once each, so
+    the compiled text (and cupy's cache key) covers every header it depends on."""
+    directory = kernel_dir()
+    seen: set[str] = set()
+
+    def expand(file_name: str) -> str:
+        if file_name in seen:
+            return ""
+        seen.add(file_name)
+        text = (directory / file_name).read_text(encoding="utf-8")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+def kernel_source(kernel: str) -> str:
+    return expand_source(KERNEL_FILES[kernel][0])
+
+
+# ---------------------------------------------------------------------------------------
+# Real-KV descriptors, passed by value as ``kvc::RealKvSources``
+
+
+@functools.lru_cache(maxsize=None)
+def sources_dtype(max_real_kv_sources: int) -> np.dtype:
+    """numpy layout of ``struct RealKvSources`` (kernels/kvc_realkv.cuh) for bound N:
+    N descriptors of five 8-byte fields, then two int32."""
+    bound = check_bound(max_real_kv_sources)
+    source = np.dtype([("ptr", "<u8"), ("row_stride_bytes", "<i8"), ("page_size", "<i8"),
+                       ("num_bytes_per_token", "<i8"), ("read_bytes", "<i8")], align=True)
+    return np.dtype([("src", source, (bound,)), ("num_sources", "<i4"), ("mode", "<i4")],
+                    align=True)
+
+
+def array_pointer(array) -> int:
+    """Address of an array's first element (numpy or cupy)."""
+    if array is None:
+        return 0
+    if isinstance(array, np.ndarray):
+        return int(array.ctypes.data)
+    return int(array.data.ptr)
+
+
+def pack_sources(context) -> np.void:
+    """The by-value descriptor struct of a launch. Without hashing (mode NONE or no
+    sources) num_sources is 0 and mode NONE, so no descriptor is ever dereferenced."""
+    dtype = sources_dtype(context.max_real_kv_sources)
+    packed = np.zeros((), dtype=dtype)
+    sources = context.real_kv_sources
+    if len(sources) > context.max_real_kv_sources:
+        raise ValueError(
+            f"kv-canary: at most {context.max_real_kv_sources} RealKvSource entries supported "
+            f"by the CUDA ABI, got {len(sources)}"
+        )
+    if context.hashing:
+        for index, source in enumerate(sources):
+            entry = packed["src"][index]
+            entry["ptr"] = array_pointer(source.tensor)
+            entry["row_stride_bytes"] = source.row_stride_bytes
+            entry["page_size"] = source.page_size
+            entry["num_bytes_per_token"] = source.num_bytes_per_token
+            entry["read_bytes"] = source.read_bytes
+        packed["num_sources"] = len(sources)
+        packed["mode"] = int(context.real_kv_hash_mode)
+    else:
+        packed["mode"] = int(RealKvHashMode.NONE)
+    return packed[()]
+
+
+# ---------------------------------------------------------------------------------------
+# Launch geometry
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def grid_stride_geometry(work_items: int, multiprocessor_count: int,
+                         threads_per_block: int = THREADS_PER_BLOCK,
+                         blocks_per_sm: int = BLOCKS_PER_SM) -> tuple[int, int]:
+    """(blocks, threads) of a persistent grid-stride launch: enough blocks to fill every
+    multiprocessor, never more than the work needs, at least one."""
+    if multiprocessor_count < 1 or threads_per_block < 1 or blocks_per_sm < 1:
+        raise ValueError("kv-canary: launch geometry needs positive sizes, got "
+                         f"multiprocessor_count={multiprocessor_count}, "
+                         f"threads_per_block={threads_per_block}, blocks_per_sm={blocks_per_sm}")
+    blocks = min(multiprocessor_count * blocks_per_sm, _ceil_div(max(0, work_items), threads_per_block))
+    return max(1, blocks), threads_per_block
+
+
+def write_geometry(write_req_capacity: int,
+                   threads_per_block: int = WRITE_THREADS_PER_BLOCK) -> tuple[int, int]:
+    """One thread per request slot of the plan (at least one block: the launch always
+    counts itself)."""
+    return max(1, _ceil_div(max(0, write_req_capacity), threads_per_block)), threads_per_block
+
+
+# ---------------------------------------------------------------------------------------
+# Argument lists, in each kernel's parameter order. Arrays stay arrays; scalars are
+# numpy scalars of the parameter's width; null pointers are np.uint64(0).
+
+_NULL = np.uint64(0)
+
+
+def _i64(value) -> np.int64:
+    return np.int64(int(value))
+
+
+def _i32(value) -> np.int32:
+    return np.int32(int(value))
+
+
+def _or_null(array):
+    return _NULL if array is None else array
+
+
+def _ring_args(context) -> list:
+    log = context.violation_log
+    return [log.ring, _i64(log.ring.shape[0]), log.write_index]
+
+
+def verify_args(context, plan) -> list:
+    buf = context.canary_buf
+    return [
+        buf, _i64(buf.shape[0]), _i64(buf.shape[1]),
+        plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
+        plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable,
+        _i64(plan.verify_capacity), _i64(context.kernel_kind),
+        *_ring_args(context),
+        context.slot_run_counter, context.kernel_run_counter,
+        pack_sources(context),
+    ]
+
+
+def write_args(context, plan, *, input_ids, positions, out_cache_loc,
+               expected_input_tokens=None, expected_input_positions=None) -> list:
+    buf = context.canary_buf
+    return [
+        buf, _i64(buf.shape[0]), _i64(buf.shape[1]),
+        plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs,
+        _i64(plan.write_req_capacity),
+        input_ids, positions, out_cache_loc, _i64(input_ids.shape[0]),
+        _or_null(expected_input_tokens), _or_null(expected_input_positions),
+        _i64(context.kernel_kind),
+        *_ring_args(context),
+        context.slot_run_counter, context.kernel_run_counter,
+        context.enable_chain_position_assert,
+        pack_sources(context),
+    ]
+
+
+def _table_args(table) -> list:
+    if table is None:
+        return [_NULL, _i64(0), _i64(0), _i32(0)]
+    return [table, _i64(table.shape[0]), _i64(table.shape[1]), _i32(table.dtype.itemsize)]
+
+
+def _lut_args(lut) -> list:
+    return [_NULL, _i64(0)] if lut is None else [lut, _i64(lut.shape[0])]
+
+
+def plan_offsets_args(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+                      full_to_swa_index_mapping, swa_window_size, verify_plan, write_plan,
+                      verify_offsets_scratch) -> list:
+    return [
+        req_pool_indices, prefix_lens, extend_seq_lens, _i64(req_pool_indices.shape[0]),
+        *_table_args(req_to_token),
+        *_lut_args(full_to_swa_index_mapping), _i64(swa_window_size),
+        verify_offsets_scratch, _i64(verify_plan.verify_capacity),
+        verify_plan.verify_num_valid, verify_plan.enable,
+        write_plan.write_offsets, _i64(write_plan.write_req_capacity),
+        write_plan.write_seed_slot_indices, write_plan.write_num_valid_reqs,
+    ]
+
+
+def plan_entries_args(*, req_pool_indices, prefix_lens, req_to_token, full_to_swa_index_mapping,
+                      swa_window_size, req_to_verify_expected_tokens,
+                      req_to_verify_expected_tokens_valid_lens, kv_token_id_vs_position_offset,
+                      verify_plan, verify_offsets_scratch) -> list:
+    return [
+        req_pool_indices, prefix_lens, _i64(req_pool_indices.shape[0]),
+        *_table_args(req_to_token),
+        *_lut_args(full_to_swa_index_mapping), _i64(swa_window_size),
+        *_table_args(req_to_verify_expected_tokens),
+        _or_null(req_to_verify_expected_tokens_valid_lens), _i64(kv_token_id_vs_position_offset),
+        verify_offsets_scratch, _i64(verify_plan.verify_capacity),
+        verify_plan.verify_slot_indices, verify_plan.verify_expected_tokens,
+        verify_plan.verify_expected_positions, verify_plan.verify_prev_slot_indices,
+    ]
+
+
+class Launcher:
+    """Runs the launches given a way to run one kernel: ``run(kernel_file_key, name,
+    (blocks, threads), args)``. The GPU backend and the CPU harness both use it, so the
+    launch sequence itself is what the CPU tests exercise."""
+
+    def __init__(self, run, multiprocessor_count: int, *, threads_per_block: int = THREADS_PER_BLOCK,
+                 write_threads_per_block: int = WRITE_THREADS_PER_BLOCK, zeros=None):
+        self._run = run
+        self.multiprocessor_count = int(multiprocessor_count)
+        self.threads_per_block = threads_per_block
+        self.write_threads_per_block = write_threads_per_block
+        self._zeros = zeros
+
+    def _grid(self, work_items: int) -> tuple[int, int]:
+        return grid_stride_geometry(work_items, self.multiprocessor_count, self.threads_per_block)
+
+    def verify(self, context, plan, *, check_expected_token: bool) -> None:
+        self._run(("verify", context.max_real_kv_sources, bool(check_expected_token)), "kvc_verify",
+                  self._grid(plan.verify_capacity), verify_args(context, plan))
+
+    def write(self, context, plan, *, input_ids, positions, out_cache_loc,
+              expected_input_tokens=None, expected_input_positions=None) -> None:
+        args = write_args(context, plan, input_ids=input_ids, positions=positions,
+                          out_cache_loc=out_cache_loc, expected_input_tokens=expected_input_tokens,
+                          expected_input_positions=expected_input_positions)
+        self._run(("write", context.max_real_kv_sources, False), "kvc_write",
+                  write_geometry(plan.write_req_capacity, self.write_threads_per_block), args)
+
+    def plan(self, *, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify_plan,
+             write_plan, swa_window_size=0, full_to_swa_index_mapping=None,
+             req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
+             kv_token_id_vs_position_offset=0) -> None:
+        bs = int(req_pool_indices.shape[0])
+        scratch = self._zeros(bs + 1, like=req_pool_indices)
+        key = ("plan", None, False)
+        common = dict(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
+                      req_to_token=req_to_token, full_to_swa_index_mapping=full_to_swa_index_mapping,
+                      swa_window_size=swa_window_size, verify_offsets_scratch=scratch)
+        self._run(key, "kvc_plan_offsets", (1, 1), plan_offsets_args(
+            extend_seq_lens=extend_seq_lens, verify_plan=verify_plan, write_plan=write_plan,
+            **common))
+        if bs == 0:
+            return
+        self._run(key, "kvc_plan_entries", self._grid(verify_plan.verify_capacity),
+                  plan_entries_args(
+                      req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+                      req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+                      kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                      verify_plan=verify_plan, **common))
+
+
+# ---------------------------------------------------------------------------------------
+# GPU side (imported only once cupy saw a device)
+
+
+@functools.lru_cache(maxsize=None)
+def module(kernel: str, max_real_kv_sources: int | None, check_expected_token: bool):
+    """One compiled ``cupy.RawModule`` per (kernel, bound, variant)."""
+    import cupy
+
+    bound = max_real_kv_sources
+    if kernel != "plan":
+        bound = check_bound(max_real_kv_sources)
+    options = compile_options(kernel, bound if kernel != "plan" else None, check_expected_token)
+    return cupy.RawModule(code=kernel_source(kernel), options=options)
+
+
+def _gpu_run(key, name, geometry, args) -> None:
+    kernel, bound, check = key
+    function = module(kernel, bound, check).get_function(name)
+    blocks, threads = geometry
+    function((blocks,), (threads,), tuple(args))
+
+
+def _gpu_zeros(n, like):
+    import cupy
+
+    return cupy.zeros(n, dtype=cupy.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher(device_id: int) -> Launcher:
+    import cupy
+
+    count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    return Launcher(_gpu_run, count, zeros=_gpu_zeros)
+
+
+def _current():
+    import cupy
+
+    return _launcher(cupy.cuda.Device().id)
+
+
+def verify(context, plan, *, check_expected_token: bool) -> None:
+    _current().verify(context, plan, check_expected_token=check_expected_token)
+
+
+def write(context, plan, *, input_ids, positions, out_cache_loc, expected_input_tokens=None,
+          expected_input_positions=None) -> None:
+    _current().write(context, plan, input_ids=input_ids, positions=positions,
+                     out_cache_loc=out_cache_loc, expected_input_tokens=expected_input_tokens,
+                     expected_input_positions=expected_input_positions)
+
+
+def plan(**kwargs) -> None:
+    _current().plan(**kwargs)

@@ -1,0 +1,161 @@
+"""Run the CUDA kernel sources on the CPU: g++ compiles kernels/*.cu against a small
+shim of CUDA's built-ins (cuda_shim.h) into a shared library, and ctypes launches the
+grid sequentially. The launch sequence and argument lists are kvcanary's own
+(``kvcanary.cuda.launch.Launcher``), so the tests exercise them too.
+
+Libraries are cached by a hash of every source and flag, under
+``$KVCANARY_HARNESS_CACHE`` or the system temp directory."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kvcanary.cuda import launch as L
+from kvcanary.kernel_source import kernel_dir
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_FLAGS = ("-O2",)
+SANITIZE_FLAGS = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+                  "-fno-sanitize-recover=undefined")
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use, or None when the machine has none."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVCANARY_HARNESS_CACHE") or os.path.join(
+        tempfile.gettempdir(), "kvcanary-kernel-harness")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _source_digest() -> str:
+    digest = hashlib.sha256()
+    files = sorted(kernel_dir().glob("*.cu*")) + [HERE / "cuda_shim.h", HERE / "harness.cpp"]
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def build(max_real_kv_sources: int = 4, check_expected_token: bool = False,
+          flags: tuple[str, ...] = DEFAULT_FLAGS) -> Path:
+    """Compile (or reuse) the harness library for one kernel variant; returns its path."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (g++, c++ or clang++)")
+    defines = (f"-DKVC_MAX_REAL_KV_SOURCES={int(max_real_kv_sources)}",
+               f"-DKVC_CHECK_VERIFY_EXPECTED_TOKEN={1 if check_expected_token else 0}")
+    command = [cxx, "-std=c++20", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
+               *flags, *defines, f"-I{kernel_dir()}", f"-I{HERE}"]
+    key = hashlib.sha256((_source_digest() + "\0".join(command)).encode()).hexdigest()[:24]
+    target = cache_dir() / f"kvc_harness_{key}.so"
+    if not target.exists():
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([*command, str(HERE / "harness.cpp"), "-o", str(partial)], check=True,
+                       capture_output=True, text=True)
+        os.replace(partial, target)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def load(max_real_kv_sources: int = 4, check_expected_token: bool = False,
+         flags: tuple[str, ...] = DEFAULT_FLAGS) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build(max_real_kv_sources, check_expected_token, flags)))
+    lib.kvc_cpu_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint,
+                                   ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    lib.kvc_cpu_launch.restype = ctypes.c_int
+    lib.kvc_cpu_sources_size.restype = ctypes.c_long
+    lib.kvc_cpu_sources_offset.restype = ctypes.c_long
+    lib.kvc_cpu_sources_offset.argtypes = [ctypes.c_int]
+    return lib
+
+
+def marshal(args) -> tuple[ctypes.Array, list]:
+    """cuLaunchKernel-style parameters: an array of pointers to each argument's value.
+    Returns the array and the objects that must stay alive while it is used."""
+    keep = []
+    for arg in args:
+        if isinstance(arg, np.ndarray):
+            value = ctypes.c_void_p(L.array_pointer(arg))
+        elif isinstance(arg, np.void):
+            value = ctypes.create_string_buffer(arg.tobytes(), len(arg.tobytes()))
+        elif isinstance(arg, np.int64):
+            value = ctypes.c_int64(int(arg))
+        elif isinstance(arg, np.int32):
+            value = ctypes.c_int32(int(arg))
+        elif isinstance(arg, np.uint64):
+            value = ctypes.c_uint64(int(arg))
+        else:
+            raise TypeError(f"kernel argument of unsupported type {type(arg).__name__}")
+        keep.append(value)
+    pointers = (ctypes.c_void_p * max(1, len(keep)))(
+        *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])
+    return pointers, keep
+
+
+class CpuKernels:
+    """The backend interface (``plan``, ``write``, ``verify``) on numpy arrays, running
+    the kernel source compiled for the CPU."""
+
+    def __init__(self, multiprocessor_count: int = 2, threads_per_block: int = 8,
+                 write_threads_per_block: int = 4, flags: tuple[str, ...] = DEFAULT_FLAGS):
+        self.flags = flags
+        self.launches = []  # (name, blocks, threads) of every launch, for geometry checks
+        self._launcher = L.Launcher(self._run, multiprocessor_count,
+                                    threads_per_block=threads_per_block,
+                                    write_threads_per_block=write_threads_per_block,
+                                    zeros=lambda n, like: np.zeros(n, dtype=np.int64))
+
+    def _run(self, key, name, geometry, args) -> None:
+        _, bound, check = key
+        lib = load(bound if bound is not None else 4, check, self.flags)
+        pointers, keep = marshal(args)
+        blocks, threads = geometry
+        self.launches.append((name, blocks, threads))
+        rc = lib.kvc_cpu_launch(name.encode(), blocks, threads, pointers, len(keep))
+        if rc != 0:
+            raise RuntimeError(f"harness launch of {name} failed with {rc}")
+
+    def plan(self, **kwargs) -> None:
+        self._launcher.plan(**kwargs)
+
+    def write(self, context, plan, **kwargs) -> None:
+        self._launcher.write(context, plan, **kwargs)
+
+    def verify(self, context, plan, *, check_expected_token: bool) -> None:
+        self._launcher.verify(context, plan, check_expected_token=check_expected_token)
+
+
+@contextlib.contextmanager
+def numpy_runs(backend):
+    """Within the block, kvcanary's numpy dispatch runs ``backend`` instead of the
+    reference, after the API's full argument validation."""
+    from kvcanary import api
+
+    original = api._backend_module
+
+    def patched(name):
+        return backend if name == "numpy" else original(name)
+
+    api._backend_module = patched
+    try:
+        yield backend
+    finally:
+        api._backend_module = original

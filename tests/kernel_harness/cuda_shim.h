@@ -1,0 +1,44 @@
+// Just enough of CUDA's built-ins to compile the kernels in kernels/ with a host C++
+// compiler. The test harness runs a launch as a sequential loop over blocks and threads,
+// setting blockIdx/threadIdx before each call. Kernels use no shared memory and no warp
+// intrinsics, so that loop is a faithful execution of the grid (in one legal order).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __grid_constant__
+
+struct kvc_shim_dim3 {
+  unsigned int x = 1, y = 1, z = 1;
+};
+
+inline thread_local kvc_shim_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+struct ulonglong2 {
+  unsigned long long x, y;
+};
+
+// atomicAdd returns the old value; signed overflow wraps (atomics are two's complement).
+template <class T>
+inline T atomicAdd(T* address, T value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+
+// Read-only cached load: a plain (alignment-agnostic) copy on the host.
+template <class T>
+inline T __ldg(const T* address) {
+  T value;
+  std::memcpy(&value, address, sizeof(T));
+  return value;
+}
+
+inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
