@@ -159,3 +159,136 @@ def numpy_runs(backend):
         yield backend
     finally:
         api._backend_module = original
+
+
+# ---------------------------------------------------------------------------------------
+# Differential backend: the reference on copies, the kernels on the real arrays, then a
+# byte-for-byte comparison of everything the launch may change.
+
+
+def _copy_context(context):
+    import copy
+
+    twin = copy.copy(context)
+    twin.canary_buf = context.canary_buf.copy()
+    twin.slot_run_counter = context.slot_run_counter.copy()
+    twin.kernel_run_counter = context.kernel_run_counter.copy()
+    twin.enable_chain_position_assert = context.enable_chain_position_assert.copy()
+    twin.violation_log = type(context.violation_log)(context.violation_log.ring.copy(),
+                                                     context.violation_log.write_index.copy())
+    return twin  # real-KV sources are shared: launches only read them
+
+
+def _copy_plan(plan):
+    import copy
+
+    twin = copy.copy(plan)
+    for name, value in vars(plan).items():
+        if isinstance(value, np.ndarray):
+            setattr(twin, name, value.copy())
+    return twin
+
+
+def _rows(ring, begin, end):
+    return sorted(tuple(int(v) for v in row) for row in ring[begin:end])
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def compare_contexts(expected, actual, index_before: int, full_rows=None) -> None:
+    """Kernel context vs reference context after one launch. Rows recorded by this
+    launch compare as a multiset when there is more than one; when the ring overflowed
+    in this launch, the surviving kernel rows must be rows the reference produces
+    (``full_rows``: the reference's rows with room for all of them)."""
+    if not np.array_equal(expected.canary_buf, actual.canary_buf):
+        diff = np.flatnonzero((expected.canary_buf != actual.canary_buf).any(axis=1))
+        raise Mismatch(f"canary bytes differ at slots {diff[:10].tolist()}")
+    for name in ("slot_run_counter", "kernel_run_counter"):
+        if not np.array_equal(getattr(expected, name), getattr(actual, name)):
+            raise Mismatch(f"{name}: reference {getattr(expected, name)} "
+                           f"kernel {getattr(actual, name)}")
+    e_log, a_log = expected.violation_log, actual.violation_log
+    if not np.array_equal(e_log.write_index, a_log.write_index):
+        raise Mismatch(f"write_index: reference {e_log.write_index} kernel {a_log.write_index}")
+    after = int(a_log.write_index[0])
+    capacity = a_log.ring.shape[0]
+    begin = min(max(index_before, 0), capacity)
+    end = min(max(after, 0), capacity) if after >= index_before else begin
+    if not (np.array_equal(e_log.ring[:begin], a_log.ring[:begin])
+            and np.array_equal(e_log.ring[end:], a_log.ring[end:])):
+        raise Mismatch("ring rows outside this launch's range changed")
+    if after - index_before <= 1 or after <= capacity or full_rows is None:
+        if _rows(e_log.ring, begin, end) != _rows(a_log.ring, begin, end):
+            raise Mismatch(f"ring rows differ: reference {_rows(e_log.ring, begin, end)} "
+                           f"kernel {_rows(a_log.ring, begin, end)}")
+    else:
+        pool = list(full_rows)
+        for row in _rows(a_log.ring, begin, end):
+            if row not in pool:
+                raise Mismatch(f"kernel row {row} is not a row the reference records")
+            pool.remove(row)
+
+
+def compare_plans(expected, actual, what: str) -> None:
+    for name, value in vars(expected).items():
+        if isinstance(value, np.ndarray) and not np.array_equal(value, getattr(actual, name)):
+            raise Mismatch(f"{what}.{name}: reference {value.tolist()[:16]} "
+                           f"kernel {getattr(actual, name).tolist()[:16]}")
+
+
+class Differential:
+    """Backend interface that runs the numpy reference first (its exceptions propagate
+    unchanged, so the kernels never see input the reference rejects), then the kernels
+    on the caller's arrays, and raises ``Mismatch`` on any byte difference."""
+
+    def __init__(self, kernels: CpuKernels):
+        from kvcanary import reference
+
+        self.kernels = kernels
+        self.reference = reference
+        self.compared = 0
+
+    def _overflow_rows(self, context, launch, after: int):
+        """Reference rows of this launch with a ring big enough to hold all of them."""
+        twin = _copy_context(context)
+        total = int(context.violation_log.write_index[0])
+        twin.violation_log = type(context.violation_log)(
+            np.zeros((max(after, 0) + 1, 8), dtype=np.int64),
+            context.violation_log.write_index.copy())
+        launch(twin)
+        after = int(twin.violation_log.write_index[0])
+        return _rows(twin.violation_log.ring, max(total, 0), max(after, 0))
+
+    def _context_launch(self, context, launch) -> None:
+        before = int(context.violation_log.write_index[0])
+        twin = _copy_context(context)
+        launch(self.reference, twin)
+        full = None
+        after = int(twin.violation_log.write_index[0])
+        if after - before > 1 and after > twin.violation_log.ring.shape[0]:
+            full = self._overflow_rows(context, lambda c: launch(self.reference, c), after)
+        launch(self.kernels, context)
+        compare_contexts(twin, context, before, full)
+        self.compared += 1
+
+    def verify(self, context, plan, *, check_expected_token: bool) -> None:
+        self._context_launch(context, lambda backend, ctx: backend.verify(
+            ctx, plan, check_expected_token=check_expected_token))
+
+    def write(self, context, plan, **kwargs) -> None:
+        self._context_launch(context, lambda backend, ctx: backend.write(ctx, plan, **kwargs))
+
+    def plan(self, *, verify_plan, write_plan, **kwargs) -> None:
+        expected_verify, expected_write = _copy_plan(verify_plan), _copy_plan(write_plan)
+        self.reference.plan(verify_plan=expected_verify, write_plan=expected_write, **kwargs)
+        self.kernels.plan(verify_plan=verify_plan, write_plan=write_plan, **kwargs)
+        compare_plans(expected_verify, verify_plan, "verify_plan")
+        compare_plans(expected_write, write_plan, "write_plan")
+        self.compared += 1
+
+
+def harness_flags_from_env() -> tuple[str, ...]:
+    """Sanitizer build when KVCANARY_HARNESS_SANITIZE=1 (set by the sanitizer test)."""
+    return SANITIZE_FLAGS if os.environ.get("KVCANARY_HARNESS_SANITIZE") == "1" else DEFAULT_FLAGS

@@ -1,0 +1,35 @@
+"""pytest fixtures of the CPU kernel harness; test modules import the ones they use."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import CpuKernels, Differential, compiler, harness_flags_from_env, load, numpy_runs
+
+NO_COMPILER = "no C++ compiler (g++, c++ or clang++) on this machine: the CUDA kernel source cannot run on the CPU"
+
+
+def require_compiler() -> None:
+    if compiler() is None:
+        pytest.skip(NO_COMPILER)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels() -> CpuKernels:
+    """Kernels compiled for the CPU; 2 'multiprocessors', 8-thread blocks and 4-thread
+    write blocks so even small launches span several blocks."""
+    require_compiler()
+    flags = harness_flags_from_env()
+    for check in (False, True):
+        load(4, check, flags)  # compile the default variants once per session
+    return CpuKernels(multiprocessor_count=2, threads_per_block=8, write_threads_per_block=4,
+                      flags=flags)
+
+
+@pytest.fixture
+def kernels_behind_numpy(cpu_kernels):
+    """Within the test, kvcanary's numpy dispatch runs the reference and the CPU kernels
+    side by side and fails on any byte difference."""
+    differential = Differential(cpu_kernels)
+    with numpy_runs(differential):
+        yield differential

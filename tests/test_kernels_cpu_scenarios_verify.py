@@ -1,0 +1,14 @@
+"""Every verify scenario of tests/test_reference_verify.py (spec §8) again, with kvcanary's numpy
+dispatch running the CUDA kernel source compiled for the CPU next to the reference and
+comparing bytes after every launch (kernel_harness.Differential). The scenarios' own
+assertions also run, now on the kernels' results."""
+
+import pytest
+
+from kernel_harness.fixtures import cpu_kernels, kernels_behind_numpy  # noqa: F401
+from test_reference_verify import *  # noqa: F401,F403  (re-collect the scenarios here)
+
+
+@pytest.fixture(autouse=True)
+def _kernels(kernels_behind_numpy):  # noqa: F811
+    yield
