@@ -1,0 +1,42 @@
+"""The out-of-range and property tests again, with the harness built under
+AddressSanitizer and UBSan (-fsanitize=address,undefined, no recovery), in a subprocess:
+ASan's runtime must be preloaded before Python starts when the library comes in through
+ctypes. Any stray read or write, or undefined behaviour, aborts that run."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernel_harness import compiler
+from kernel_harness.fixtures import NO_COMPILER
+
+TESTS = Path(__file__).resolve().parent
+SUBSET = ["test_kernels_cpu_out_of_range.py", "test_kernels_cpu_properties.py"]
+
+
+def asan_runtime(cxx: str) -> str | None:
+    out = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True)
+    path = out.stdout.strip()
+    return path if out.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
+
+
+def test_subset_under_address_and_undefined_sanitizers(tmp_path):
+    cxx = compiler()
+    if cxx is None:
+        pytest.skip(NO_COMPILER)
+    runtime = asan_runtime(cxx)
+    if runtime is None:
+        pytest.skip(f"{cxx} has no AddressSanitizer runtime (libasan.so)")
+    env = dict(os.environ, KVCANARY_HARNESS_SANITIZE="1", LD_PRELOAD=runtime,
+               ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         *[str(TESTS / name) for name in SUBSET]],
+        cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=600)
+    report = result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.returncode == 0, report
+    assert "passed" in result.stdout and "ERROR: AddressSanitizer" not in report
