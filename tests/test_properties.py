@@ -33,6 +33,7 @@ def workloads(draw):
         read_bytes=draw(st.sampled_from([r for r in (16, 32, 64) if r <= bytes_per_token])),
         row_gap=draw(st.sampled_from([0, 16])),
         seed=draw(st.integers(0, 2**16)),
+        swa_window=draw(st.sampled_from([0, 0, 3, 8])),
     )
 
 
@@ -43,7 +44,8 @@ def test_write_then_verify_is_always_clean(workload):
     assert run.dirty == [], ring_rows(run.ctx)
     plan = run.final_plan
     n = int(plan.verify_num_valid[0])
-    assert n == sum(run.lengths)
+    window = workload.swa_window
+    assert n == sum(min(length, window) if window else length for length in run.lengths)
     assert int(run.ctx.kernel_run_counter[0]) == 2 * run.steps + 1
 
 

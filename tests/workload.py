@@ -36,6 +36,7 @@ class Workload:
     read_bytes: int = 16
     row_gap: int = 0
     seed: int = 0
+    swa_window: int = 0  # > 0: an SWA group, slots translated through a permuting LUT
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Run:
     tokens: np.ndarray  # expected-token pool, int32 [max_reqs, max_len]
     lengths: list
     final_plan: kc.VerifyPlan = None
+    lut: np.ndarray = None
     steps: int = 0
     dirty: list = field(default_factory=list)  # (step, launch) of any violation
 
@@ -86,6 +88,12 @@ def run_workload(workload: Workload, *, check_steps: bool = True) -> Run:
     ctx = make_context(num_slots, 256, sources, workload.mode,
                        kernel_kind=kc.LaunchTag.TAIL_K_FULL)
     run = Run(ctx, table, tokens, [r.total for r in reqs])
+    swa = {}
+    lut = np.arange(num_slots, dtype=np.int64)
+    if workload.swa_window > 0:
+        lut[1:] = 1 + rng.permutation(num_slots - 1)  # slot 0 stays padding
+        swa = dict(swa_window_size=workload.swa_window, full_to_swa_index_mapping=lut)
+    run.lut = lut
     done = [r.share for r in reqs]
     verify_plan = kc.VerifyPlan.allocate(max(1, sum(run.lengths)))
     write_plan = kc.WritePlan.allocate(len(reqs) + 1)
@@ -103,7 +111,7 @@ def run_workload(workload: Workload, *, check_steps: bool = True) -> Run:
         extend.append(0)
         bs = len(rows)
         kc.plan(req_pool_indices=i64(rows), prefix_lens=i64(prefix), extend_seq_lens=i64(extend),
-                req_to_token=table, verify_plan=verify_plan, write_plan=write_plan,
+                req_to_token=table, verify_plan=verify_plan, write_plan=write_plan, **swa,
                 req_to_verify_expected_tokens=tokens,
                 req_to_verify_expected_tokens_valid_lens=i64(
                     [done[r - 1] if r else 0 for r in rows]))
@@ -112,7 +120,7 @@ def run_workload(workload: Workload, *, check_steps: bool = True) -> Run:
                  for p in range(p0, p0 + e)]
         ids = i64([tokens[r, p] for r, p in index])
         positions = i64([p for _, p in index])
-        loc = i64([table[r, p] for r, p in index])
+        loc = i64([lut[table[r, p]] for r, p in index])
         _launch(run, "write", lambda: kc.write(
             ctx, write_plan, input_ids=ids, positions=positions, out_cache_loc=loc,
             expected_input_tokens=ids.copy(), expected_input_positions=positions.copy()))
@@ -122,7 +130,7 @@ def run_workload(workload: Workload, *, check_steps: bool = True) -> Run:
     final = kc.VerifyPlan.allocate(max(1, sum(run.lengths)))
     kc.plan(req_pool_indices=i64(range(1, len(reqs) + 1)), prefix_lens=i64(run.lengths),
             extend_seq_lens=i64([0] * len(reqs)), req_to_token=table, verify_plan=final,
-            write_plan=kc.WritePlan.allocate(len(reqs)),
+            write_plan=kc.WritePlan.allocate(len(reqs)), **swa,
             req_to_verify_expected_tokens=tokens,
             req_to_verify_expected_tokens_valid_lens=i64(run.lengths))
     run.final_plan = final
