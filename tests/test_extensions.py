@@ -2,6 +2,7 @@
 plan, with exact rows."""
 
 import numpy as np
+import pytest
 
 import kvcanary as kc
 from builders import (H0, counters, fields, i64, linear_req_to_token, make_context,
@@ -148,3 +149,23 @@ def test_negative_write_num_valid_is_zero():
     kc.write(ctx, make_write_plan([1], [-1], num_valid=-2), input_ids=i64([1]),
              positions=i64([0]), out_cache_loc=i64([1]))
     assert counters(ctx) == (0, 0, 1)
+
+
+def test_write_early_return_when_total_is_not_positive():
+    """Upstream's reference returns when write_offsets[active] <= 0, even if one request's
+    own range is positive; kept on every backend (docs/extensions.md)."""
+    ctx = ctx8()
+    plan = kc.WritePlan(write_offsets=i64([0, 2, 0]), write_seed_slot_indices=i64([-1, -1]),
+                        write_num_valid_reqs=np.array([2], np.int32))
+    kc.write(ctx, plan, input_ids=i64([1, 2]), positions=i64([0, 1]),
+             out_cache_loc=i64([1, 2]))
+    assert counters(ctx) == (0, 0, 1)
+    assert not ctx.canary_buf.any()
+
+
+def test_swa_lut_index_beyond_length_raises_in_the_reference():
+    table = linear_req_to_token(2, 8)
+    with pytest.raises(ValueError, match=r"^kv-canary: SWA slot 9 is outside "
+                                         r"full_to_swa_index_mapping length 9$"):
+        run_plan([1], [3], [1], table, swa_window_size=2,
+                 full_to_swa_index_mapping=np.arange(9, dtype=np.int64))
