@@ -21,3 +21,7 @@ def info() -> None:
 
     for key, value in environment_report().items():
         click.echo(f"{key + ':':<22}{value}")
+
+
+from .smoke import smoke  # noqa: E402
+main.add_command(smoke)

@@ -1,0 +1,69 @@
+"""``kvcanary smoke``: the no-GPU exit path through click, and the smoke logic itself run
+with the CPU-compiled kernels standing in for the device (xp=numpy)."""
+
+import pytest
+from click.testing import CliRunner
+
+from kvcanary.cli.main import main
+from kernel_harness import CpuKernels
+from kernel_harness.fixtures import require_compiler
+from kvcanary.smoke import FAULTS, run_smoke
+
+
+def _gpu_visible() -> bool:
+    try:
+        from kvcanary.cuda import require_cupy
+
+        require_cupy()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def test_smoke_without_gpu_exits_2_with_one_sentence():
+    if _gpu_visible():
+        pytest.skip("a CUDA device is visible; this checks the no-GPU path")
+    result = CliRunner().invoke(main, ["smoke", "--max-real-kv-sources", "4"])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvcanary smoke needs a CUDA GPU with cupy")
+    assert "Traceback" not in result.output
+
+
+def test_smoke_rejects_a_bound_above_64():
+    result = CliRunner().invoke(main, ["smoke", "--max-real-kv-sources", "65"])
+    assert result.exit_code == 2 and "--max-real-kv-sources" in result.output
+
+
+@pytest.mark.parametrize("bound", [1, 6])
+def test_smoke_logic_passes_on_the_cpu_kernels(bound):
+    import numpy as np
+
+    require_compiler()
+    report = run_smoke(bound, xp=np, device=CpuKernels(multiprocessor_count=2))
+    assert report.ok, "\n".join(report.lines())
+    names = [name for name, _, _ in report.checks]
+    assert all(any(f"fault {fault}: reported" == n for n in names) for fault in FAULTS)
+    assert report.lines()[-1] == "smoke: passed"
+
+
+class _VerifyForgetsRealKv(CpuKernels):
+    """A broken device: verifies without real-KV hashing."""
+
+    def verify(self, context, plan, *, check_expected_token):
+        import copy
+
+        from kvcanary.consts import RealKvHashMode
+
+        blind = copy.copy(context)
+        blind.real_kv_hash_mode = RealKvHashMode.NONE
+        super().verify(blind, plan, check_expected_token=check_expected_token)
+
+
+def test_smoke_fails_when_the_device_misses_a_fault():
+    import numpy as np
+
+    require_compiler()
+    report = run_smoke(2, xp=np, device=_VerifyForgetsRealKv(multiprocessor_count=2))
+    assert not report.ok
+    assert report.lines()[-1] == "smoke: FAILED"
