@@ -25,3 +25,12 @@ def info() -> None:
 
 from .smoke import smoke  # noqa: E402
 main.add_command(smoke)
+
+
+from .audit import audit_command  # noqa: E402
+from .demo import demo_command  # noqa: E402
+from .synth import synth_command  # noqa: E402
+
+main.add_command(audit_command)
+main.add_command(synth_command)
+main.add_command(demo_command)

@@ -83,7 +83,7 @@ class SynthError(ValueError):
 @dataclass
 class SynthConfig:
     requests: int = 64
-    num_slots: int = 8192
+    num_slots: int = 4096
     max_running: int = 16
     page_size: int = 1
     swa_window: int = 0
@@ -869,11 +869,31 @@ def faults_from_dump(dump) -> list:
                                               get("visible"), get("detail"))]
 
 
+def fault_note(fault: Fault, mode: RealKvHashMode, compat: bool = False) -> str:
+    """Why a fault is or is not visible, in words."""
+    if fault.kind == "real-kv-byte":
+        if mode == RealKvHashMode.NONE:
+            return "not visible in none mode (real KV bytes are not hashed)"
+        if mode == RealKvHashMode.PARTIAL and fault.detail >= REAL_KV_PARTIAL_READ_BYTES:
+            return (f"not visible in partial mode (byte {fault.detail} is outside the "
+                    f"{REAL_KV_PARTIAL_READ_BYTES} bytes partial mode hashes)")
+        return f"byte {fault.detail} of the slot's real KV"
+    if fault.kind == "slot-zero":
+        if compat:
+            return "not visible with --compat (upstream skips slot 0 as unfilled)"
+        return "seen by kvcanary's SLOT_ZERO_IN_PREFIX extension"
+    if fault.kind == "swap":
+        return f"positions {fault.position} and {fault.detail} exchanged"
+    return fault.note
+
+
 def score(faults, result) -> list:
     """Match injected faults against an audit result's findings (the target entry, and the
     exchanged entry of a swap)."""
+    mode = RealKvHashMode[result.real_kv_hash_mode.upper()]
     outcomes = []
     for fault in faults:
+        visible = fault.visible and not (fault.kind == "slot-zero" and result.compat)
         targets = [fault.position] + ([fault.detail] if fault.kind == "swap" else [])
         fired = 0
         for position in targets:
@@ -882,6 +902,7 @@ def score(faults, result) -> list:
         detected = (fired & fault.expected_bits) == fault.expected_bits and fired != 0
         outcomes.append(FaultOutcome(kind=fault.kind, request_row=fault.request_row,
                                      position=fault.position, slot=fault.slot,
-                                     expected_bits=fault.expected_bits, visible=fault.visible,
-                                     detected=detected, fired_bits=fired, note=fault.note))
+                                     expected_bits=fault.expected_bits, visible=visible,
+                                     detected=detected, fired_bits=fired,
+                                     note=fault_note(fault, mode, result.compat)))
     return outcomes

@@ -1,0 +1,98 @@
+"""``kvcanary synth OUT``: a synthetic serving workload as a dump, optionally with faults."""
+
+from __future__ import annotations
+
+import click
+
+from .common import Progress, error_boundary
+
+
+def _range(text: str, name: str) -> tuple:
+    low, sep, high = text.partition("..")
+    try:
+        values = (int(low), int(high if sep else low))
+    except ValueError:
+        raise click.BadParameter(f"expected MIN..MAX or N, got {text!r}", param_hint=name) from None
+    return values
+
+
+def synth_options(function):
+    """The workload options, shared with ``demo``."""
+    options = [
+        click.option("--requests", type=int, default=64, show_default=True,
+                     help="Requests to serve."),
+        click.option("--slots", "num_slots", type=int, default=4096, show_default=True,
+                     help="KV slots in the pool (slot 0 is padding)."),
+        click.option("--max-running", type=int, default=16, show_default=True,
+                     help="Requests running at once (the live requests of the dump)."),
+        click.option("--page-size", type=int, default=1, show_default=True),
+        click.option("--swa-window", type=int, default=0, show_default=True,
+                     help="Sliding window; > 0 dumps the SWA group (slots through the LUT)."),
+        click.option("--sources", type=int, default=1, show_default=True,
+                     help="Real-KV sources (0..64)."),
+        click.option("--bytes-per-token", type=int, default=32, show_default=True,
+                     help="Real-KV bytes per slot and source (multiple of 16)."),
+        click.option("--chunk-size", type=int, default=64, show_default=True,
+                     help="Chunked prefill: prompt tokens per request per step."),
+        click.option("--prompt-len", default="8..96", show_default=True,
+                     help="Unique prompt tokens per request, MIN..MAX."),
+        click.option("--output-len", default="4..32", show_default=True,
+                     help="Decode tokens per request, MIN..MAX."),
+        click.option("--verify-every", type=int, default=8, show_default=True,
+                     help="Run verify every N steps during the simulation (0: never)."),
+        click.option("--seed", type=int, default=0, show_default=True),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def make_config(mode: str, **values):
+    from kvcanary.synth import SynthConfig
+
+    values["prompt_len"] = _range(values["prompt_len"], "--prompt-len")
+    values["output_len"] = _range(values["output_len"], "--output-len")
+    return SynthConfig(mode=mode, **values)
+
+
+@click.command("synth")
+@click.argument("out", metavar="OUT")
+@synth_options
+@click.option("--mode", type=click.Choice(["none", "partial", "all"]), default="all",
+              show_default=True, help="Real-KV hash mode.")
+@click.option("--inject", multiple=True, metavar="KIND[:COUNT]",
+              help="Inject a fault after the run (repeatable; KIND 'all' for every kind): "
+                   "token, position, prev-hash, real-kv-byte, alias, swap, stale-reuse, "
+                   "slot-zero, lost-write.")
+def synth_command(out, mode, inject, **values):
+    """Simulate serving and write the canary dump OUT (.npz, .safetensors or a directory)."""
+    from kvcanary import dump
+    from kvcanary.synth import Synthesis, parse_inject
+
+    with error_boundary():
+        config = make_config(mode, **values)
+        faults = parse_inject(inject)
+        if dump.flavour_of(out) == "safetensors":
+            dump._safetensors_numpy(out)  # fail before the run when the package is missing
+        synthesis = Synthesis(config)
+        progress = Progress("synth: requests admitted")
+        try:
+            synthesis.run(progress=progress)
+        finally:
+            progress.close()
+        for kind, count in faults:
+            synthesis.inject(kind, count)
+        dump.save(out, **synthesis.arrays())
+    s = synthesis.stats
+    rows, seq_lens = synthesis.live()
+    click.echo(f"wrote {out}: {synthesis.num_canary_slots} slots, {rows.shape[0]} live requests "
+               f"({int(seq_lens.sum())} prefix tokens), {len(synthesis.cache)} cached blocks, "
+               f"{config.sources} real-KV source(s) in {config.mode} mode"
+               + (f", SWA window {config.swa_window}" if config.swa_window else ""))
+    click.echo(f"simulation: {s.steps} steps, {s.tokens_written} tokens written, "
+               f"{s.cached_tokens_reused} reused from the prefix cache, {s.blocks_evicted} "
+               f"blocks evicted, {s.slots_reused} slot reuses, {s.verify_launches} verify "
+               f"launches clean, {s.elapsed_s:.2f}s")
+    for fault in synthesis.faults:
+        click.echo(f"injected {fault.kind}: request row {fault.request_row}, position "
+                   f"{fault.position}, slot {fault.slot}" + (f" ({fault.note})" if fault.note else ""))
