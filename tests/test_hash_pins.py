@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from builders import (H0, fields, i64, make_context, make_verify_plan, ring_rows, signed,
+from builders import (H0, fields, make_context, make_verify_plan, ring_rows, signed,
                       source_slot_bytes, stamp, write_tokens)
 
 M = (1 << 64) - 1

@@ -1,7 +1,6 @@
 """Property tests: clean runs stay clean, any single corruption is reported with the
 right bit (hypothesis, derandomized)."""
 
-import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvcanary as kc

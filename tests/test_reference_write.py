@@ -5,7 +5,7 @@ import pytest
 
 import kvcanary as kc
 from builders import (H0, counters, fields, i64, make_context, make_sources, make_verify_plan,
-                      make_write_plan, ring_rows, signed, source_slot_bytes, stamp, write_tokens)
+                      make_write_plan, ring_rows, signed, stamp, write_tokens)
 
 F = kc.FailReason
 W_TOKEN, W_POSITION = int(F.WRITE_TOKEN_MISMATCH), int(F.WRITE_POSITION_MISMATCH)
