@@ -1,5 +1,6 @@
-// Plan (spec §5.2): turn a batch into a VerifyPlan and a WritePlan, in two launches.
-// Same rules as kvcanary/reference/plan.py, per batch row r (table row rp, prefix P, extend E):
+// Plan (spec §5.2): turn a batch into a VerifyPlan and a WritePlan.
+// Three launches (rows, offsets, entries). Same rules as kvcanary/reference/plan.py,
+// per batch row r (table row rp, prefix P, extend E):
 //   active         rp != 0 (row 0 is the padding row)
 //   window start   max(0, P - window) with a sliding window, else 0
 //   verify entries positions [window_start, P): slot T(table[rp, pos]), expected position
@@ -67,43 +68,61 @@ KVC_DEVICE int64_t verify_len(int64_t rp, int64_t prefix_len, int64_t swa_window
 
 }  // namespace kvc
 
-// One thread walks the rows: exclusive prefix sums of the verify and write lengths, the
-// overflow rule, the write offsets (tail zeroed) and the seeds. Launched as 1 x 1.
-extern "C" __global__ void kvc_plan_offsets(
+// Per row, in parallel (grid-stride over max(bs, write_req_capacity + 1)): the row's
+// verify length into verify_offsets_scratch[r], its write length into write_offsets[r + 1]
+// (both turned into prefix sums by kvc_plan_offsets), its seed, and the zeroed tail
+// write_offsets[bs + 1 ..]. No serial dependency, so the table gathers run in parallel.
+extern "C" __global__ void kvc_plan_rows(
     const int64_t* __restrict__ req_pool_indices, const int64_t* __restrict__ prefix_lens,
     const int64_t* __restrict__ extend_seq_lens, int64_t bs, const void* __restrict__ req_to_token,
     int64_t table_rows, int64_t table_cols, int32_t table_elem_bytes,
     const int64_t* __restrict__ full_to_swa_index_mapping, int64_t lut_len, int64_t swa_window_size,
     int64_t* __restrict__ verify_offsets_scratch, int64_t verify_capacity,
-    int32_t* __restrict__ verify_num_valid, int32_t* __restrict__ enable,
     int64_t* __restrict__ write_offsets, int64_t write_req_capacity,
-    int64_t* __restrict__ write_seed_slot_indices, int32_t* __restrict__ write_num_valid_reqs) {
+    int64_t* __restrict__ write_seed_slot_indices) {
   using namespace kvc;
-  if (global_thread() != 0) return;
   const Table table{req_to_token, table_rows, table_cols, table_elem_bytes};
-  int64_t verify_total = 0;
-  int64_t write_total = 0;
-  write_offsets[0] = 0;
-  for (int64_t r = 0; r < bs; ++r) {
-    const int64_t rp = req_pool_indices[r];
-    const int64_t prefix = prefix_lens[r];
-    const int64_t extend = extend_seq_lens[r];
+  const int64_t work = bs > write_req_capacity + 1 ? bs : write_req_capacity + 1;
+  for (int64_t t = global_thread(); t < work; t += grid_threads()) {
+    if (t == 0) write_offsets[0] = 0;
+    if (t > bs && t <= write_req_capacity) write_offsets[t] = 0;  // stale tail of a bigger batch
+    if (t >= bs) continue;
+    const int64_t rp = req_pool_indices[t];
+    const int64_t prefix = prefix_lens[t];
+    const int64_t extend = extend_seq_lens[t];
     const bool active = rp != kReqPoolIdxPadding;
-    verify_offsets_scratch[r] = verify_total;
-    verify_total += verify_len(rp, prefix, swa_window_size, verify_capacity);
-    // Unsigned add: wraps like numpy's int64 cumsum instead of being undefined.
-    const int64_t write_len = active && extend > 0 ? extend : 0;
-    write_total = static_cast<int64_t>(static_cast<uint64_t>(write_total) +
-                                       static_cast<uint64_t>(write_len));
-    write_offsets[r + 1] = write_total;
+    verify_offsets_scratch[t] = verify_len(rp, prefix, swa_window_size, verify_capacity);
+    write_offsets[t + 1] = active && extend > 0 ? extend : 0;
     int64_t seed = -1;
     if (active && prefix > 0 && extend > 0) {
       seed = translate(table_slot(table, rp, prefix - 1), full_to_swa_index_mapping, lut_len);
     }
-    write_seed_slot_indices[r] = seed;
+    write_seed_slot_indices[t] = seed;
+  }
+}
+
+// One thread turns the per-row lengths into prefix sums in place (exclusive verify
+// offsets with the total at [bs]; inclusive write offsets after write_offsets[0] = 0),
+// then applies the overflow rule. Only additions: the loads stream through the cache.
+// Launched as 1 x 1 after kvc_plan_rows.
+extern "C" __global__ void kvc_plan_offsets(int64_t bs, int64_t* __restrict__ verify_offsets_scratch,
+                                            int64_t verify_capacity,
+                                            int32_t* __restrict__ verify_num_valid,
+                                            int32_t* __restrict__ enable,
+                                            int64_t* __restrict__ write_offsets,
+                                            int32_t* __restrict__ write_num_valid_reqs) {
+  using namespace kvc;
+  if (global_thread() != 0) return;
+  int64_t verify_total = 0;
+  uint64_t write_total = 0;  // unsigned: wraps like numpy's int64 cumsum
+  for (int64_t r = 0; r < bs; ++r) {
+    const int64_t len = verify_offsets_scratch[r];
+    verify_offsets_scratch[r] = verify_total;
+    verify_total += len;  // each length <= capacity + 1: cannot overflow
+    write_total += static_cast<uint64_t>(write_offsets[r + 1]);
+    write_offsets[r + 1] = static_cast<int64_t>(write_total);
   }
   verify_offsets_scratch[bs] = verify_total;
-  for (int64_t r = bs + 1; r <= write_req_capacity; ++r) write_offsets[r] = 0;
   if (verify_total > verify_capacity) {
     verify_num_valid[0] = static_cast<int32_t>(verify_capacity);
     enable[0] = 0;

@@ -22,7 +22,7 @@ from ..kernel_source import kernel_dir
 KERNEL_FILES = {
     "verify": ("kvc_verify.cu", ("kvc_verify",)),
     "write": ("kvc_write.cu", ("kvc_write",)),
-    "plan": ("kvc_plan.cu", ("kvc_plan_offsets", "kvc_plan_entries")),
+    "plan": ("kvc_plan.cu", ("kvc_plan_rows", "kvc_plan_offsets", "kvc_plan_entries")),
 }
 CXX_STANDARD = "c++17"
 
@@ -236,17 +236,24 @@ def _lut_args(lut) -> list:
     return [_NULL, _i64(0)] if lut is None else [lut, _i64(lut.shape[0])]
 
 
-def plan_offsets_args(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
-                      full_to_swa_index_mapping, swa_window_size, verify_plan, write_plan,
-                      verify_offsets_scratch) -> list:
+def plan_rows_args(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+                   full_to_swa_index_mapping, swa_window_size, verify_plan, write_plan,
+                   verify_offsets_scratch) -> list:
     return [
         req_pool_indices, prefix_lens, extend_seq_lens, _i64(req_pool_indices.shape[0]),
         *_table_args(req_to_token),
         *_lut_args(full_to_swa_index_mapping), _i64(swa_window_size),
         verify_offsets_scratch, _i64(verify_plan.verify_capacity),
-        verify_plan.verify_num_valid, verify_plan.enable,
         write_plan.write_offsets, _i64(write_plan.write_req_capacity),
-        write_plan.write_seed_slot_indices, write_plan.write_num_valid_reqs,
+        write_plan.write_seed_slot_indices,
+    ]
+
+
+def plan_offsets_args(*, bs, verify_plan, write_plan, verify_offsets_scratch) -> list:
+    return [
+        _i64(bs), verify_offsets_scratch, _i64(verify_plan.verify_capacity),
+        verify_plan.verify_num_valid, verify_plan.enable, write_plan.write_offsets,
+        write_plan.write_num_valid_reqs,
     ]
 
 
@@ -304,9 +311,12 @@ class Launcher:
         common = dict(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
                       req_to_token=req_to_token, full_to_swa_index_mapping=full_to_swa_index_mapping,
                       swa_window_size=swa_window_size, verify_offsets_scratch=scratch)
-        self._run(key, "kvc_plan_offsets", (1, 1), plan_offsets_args(
+        rows_work = max(bs, write_plan.write_req_capacity + 1)
+        self._run(key, "kvc_plan_rows", self._grid(rows_work), plan_rows_args(
             extend_seq_lens=extend_seq_lens, verify_plan=verify_plan, write_plan=write_plan,
             **common))
+        self._run(key, "kvc_plan_offsets", (1, 1), plan_offsets_args(
+            bs=bs, verify_plan=verify_plan, write_plan=write_plan, verify_offsets_scratch=scratch))
         if bs == 0:
             return
         self._run(key, "kvc_plan_entries", self._grid(verify_plan.verify_capacity),

@@ -49,6 +49,7 @@ extern "C" int kvc_cpu_launch(const char* name, unsigned grid, unsigned block, v
   }
   KVC_DISPATCH(kvc_verify)
   KVC_DISPATCH(kvc_write)
+  KVC_DISPATCH(kvc_plan_rows)
   KVC_DISPATCH(kvc_plan_offsets)
   KVC_DISPATCH(kvc_plan_entries)
 #undef KVC_DISPATCH

@@ -1,0 +1,47 @@
+"""Plan kernels on the CPU beyond the hand scenarios: an empty batch, a batch larger than
+upstream's 4096-row tile, both table and token-pool widths, byte-compared with the
+reference after every launch."""
+
+import numpy as np
+import pytest
+
+import kvcanary as kc
+from builders import i64
+from kernel_harness.fixtures import cpu_kernels, kernels_behind_numpy  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def _kernels(kernels_behind_numpy):  # noqa: F811
+    yield kernels_behind_numpy
+
+
+def test_empty_batch_zeroes_the_write_offsets():
+    verify_plan, write_plan = kc.VerifyPlan.allocate(8), kc.WritePlan.allocate(4)
+    write_plan.write_offsets[:] = 9
+    write_plan.write_seed_slot_indices[:] = 5
+    kc.plan(req_pool_indices=i64([]), prefix_lens=i64([]), extend_seq_lens=i64([]),
+            req_to_token=np.zeros((2, 4), np.int32), verify_plan=verify_plan,
+            write_plan=write_plan)
+    assert write_plan.write_offsets.tolist() == [0] * 5
+    assert int(write_plan.write_num_valid_reqs[0]) == 0 and int(verify_plan.enable[0]) == 1
+
+
+@pytest.mark.parametrize("table_dtype,pool_dtype", [(np.int32, np.int32), (np.int64, np.int64),
+                                                    (np.int32, np.int64)])
+def test_batch_of_5000_rows(table_dtype, pool_dtype):
+    rng = np.random.default_rng(5)
+    bs, width = 5000, 12
+    table = rng.integers(1, 1 << 20, size=(bs + 1, width)).astype(table_dtype)
+    pool = rng.integers(-5, 1 << 16, size=(bs + 1, width)).astype(pool_dtype)
+    rows = rng.permutation(np.arange(bs + 1))[:bs].astype(np.int64)
+    prefix = rng.integers(0, width + 1, size=bs).astype(np.int64)
+    extend = rng.integers(-1, 4, size=bs).astype(np.int64)
+    verify_plan = kc.VerifyPlan.allocate(int(prefix[rows != 0].sum()) + 3)
+    write_plan = kc.WritePlan.allocate(bs + 7)
+    kc.plan(req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=extend,
+            req_to_token=table, verify_plan=verify_plan, write_plan=write_plan,
+            req_to_verify_expected_tokens=pool,
+            req_to_verify_expected_tokens_valid_lens=rng.integers(0, width + 2, size=bs),
+            kv_token_id_vs_position_offset=1)
+    assert int(verify_plan.enable[0]) == 1
+    assert int(write_plan.write_offsets[bs]) == int(np.maximum(extend[rows != 0], 0).sum())
