@@ -106,6 +106,8 @@ def _host_array(value, key: str) -> np.ndarray:
         return np.array(int(value), dtype=np.int64)
     if isinstance(value, np.ndarray):
         return value
+    if isinstance(value, (list, tuple)):
+        return np.asarray(value)
     if type(value).__module__.split(".")[0] == "cupy":
         return value.get()
     if hasattr(value, "__dlpack__"):
