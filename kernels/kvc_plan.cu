@@ -49,9 +49,17 @@ KVC_DEVICE int64_t translate(int64_t slot, const int64_t* lut, int64_t lut_len) 
   return lut[slot];
 }
 
+// Two's-complement arithmetic that wraps like numpy's int64 instead of being undefined.
+KVC_DEVICE int64_t wrap_add(int64_t a, int64_t b) {
+  return static_cast<int64_t>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
+}
+KVC_DEVICE int64_t wrap_sub(int64_t a, int64_t b) {
+  return static_cast<int64_t>(static_cast<uint64_t>(a) - static_cast<uint64_t>(b));
+}
+
 KVC_DEVICE int64_t window_start(int64_t prefix_len, int64_t swa_window_size) {
   if (swa_window_size <= 0) return 0;
-  const int64_t start = prefix_len - swa_window_size;
+  const int64_t start = wrap_sub(prefix_len, swa_window_size);
   return start > 0 ? start : 0;
 }
 
@@ -60,7 +68,7 @@ KVC_DEVICE int64_t window_start(int64_t prefix_len, int64_t swa_window_size) {
 KVC_DEVICE int64_t verify_len(int64_t rp, int64_t prefix_len, int64_t swa_window_size,
                               int64_t capacity) {
   if (rp == kReqPoolIdxPadding) return 0;
-  int64_t n = prefix_len - window_start(prefix_len, swa_window_size);
+  int64_t n = wrap_sub(prefix_len, window_start(prefix_len, swa_window_size));
   if (n < 0) n = 0;
   if (n > capacity + 1) n = capacity + 1;
   return n;
@@ -168,7 +176,7 @@ extern "C" __global__ void kvc_plan_entries(
     verify_prev_slot_indices[t] =
         pos > 0 ? translate(table_slot(table, rp, pos - 1), full_to_swa_index_mapping, lut_len) : -1;
     int64_t expected = kExpectedTokenUnknown;
-    const int64_t column = pos + kv_token_id_vs_position_offset;
+    const int64_t column = wrap_add(pos, kv_token_id_vs_position_offset);
     if (pool.data != nullptr && column < req_to_verify_expected_tokens_valid_lens[r] &&
         table_inside(pool, rp, column)) {
       expected = table_at(pool, rp, column);

@@ -45,3 +45,19 @@ def test_batch_of_5000_rows(table_dtype, pool_dtype):
             kv_token_id_vs_position_offset=1)
     assert int(verify_plan.enable[0]) == 1
     assert int(write_plan.write_offsets[bs]) == int(np.maximum(extend[rows != 0], 0).sum())
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_extreme_prefix_and_extend_values(window):
+    """int64 extremes wrap like numpy's arithmetic (the sanitizer run checks no UB)."""
+    big, small = (1 << 63) - 1, -(1 << 63)
+    table = np.arange(40, dtype=np.int64).reshape(4, 10)
+    lut = None if window == 0 else np.arange(40, dtype=np.int64)[::-1].copy()
+    verify_plan, write_plan = kc.VerifyPlan.allocate(16), kc.WritePlan.allocate(4)
+    kc.plan(req_pool_indices=i64([1, 2, 3, 1]), prefix_lens=i64([big, small, 4, 2]),
+            extend_seq_lens=i64([small, big, big, 1]), req_to_token=table,
+            verify_plan=verify_plan, write_plan=write_plan, swa_window_size=window,
+            full_to_swa_index_mapping=lut,
+            req_to_verify_expected_tokens=np.ones((4, 10), np.int32),
+            req_to_verify_expected_tokens_valid_lens=i64([big, big, big, big]),
+            kv_token_id_vs_position_offset=big)
