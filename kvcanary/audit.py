@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -227,7 +227,7 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int)
                           "overwritten or remapped after this token was written, or this "
                           "record's own prev-hash was altered")
     elif bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH:
-        causes.append("the chain link does not match either")
+        causes.append("the chain link to the predecessor fails too")
     if bits & FailReason.VERIFY_REAL_KV_HASH_MISMATCH:
         if causes:
             causes.append("and the slot's real KV bytes no longer match its record")
@@ -329,7 +329,7 @@ def _attribute(rows: np.ndarray, entries: _Entries, launcher: _Launcher, tag: in
     rank_sorted = np.arange(order.size) - np.searchsorted(sorted_slots, sorted_slots, "left")
     rank = np.empty_like(rank_sorted)
     rank[order] = rank_sorted
-    predicted = defaultdict(deque)
+    predicted_rows, predicted_entries = [], []
     for k in range(int(rank.max()) + 1):
         batch = candidates[rank == k]
         plan = VerifyPlan(verify_slot_indices=entries.slots[batch].copy(),
@@ -342,13 +342,39 @@ def _attribute(rows: np.ndarray, entries: _Entries, launcher: _Launcher, tag: in
         api.verify(context, plan, check_expected_token=check_token, backend="numpy")
         got = context.violation_log.rows()
         by_slot = np.argsort(entries.slots[batch], kind="stable")
-        index = batch[by_slot][np.searchsorted(entries.slots[batch][by_slot], got[:, 1])]
-        for row, entry in zip(map(tuple, got.tolist()), index.tolist()):
-            predicted[row].append(entry)
-    for i, row in enumerate(map(tuple, rows.tolist())):
-        queue = predicted.get(row)
-        if queue:
-            result[i] = queue.popleft()
+        predicted_rows.append(got)
+        predicted_entries.append(
+            batch[by_slot][np.searchsorted(entries.slots[batch][by_slot], got[:, 1])])
+    return _match_rows(rows, np.concatenate(predicted_rows), np.concatenate(predicted_entries))
+
+
+def _occurrence(groups: np.ndarray, order_key: np.ndarray) -> np.ndarray:
+    """Rank of each element among equal ``groups``, counted in ``order_key`` order."""
+    order = np.lexsort((order_key, groups))
+    sorted_groups = groups[order]
+    rank_sorted = np.arange(order.size) - np.searchsorted(sorted_groups, sorted_groups, "left")
+    rank = np.empty_like(rank_sorted)
+    rank[order] = rank_sorted
+    return rank
+
+
+def _match_rows(rows: np.ndarray, predicted: np.ndarray, entries: np.ndarray) -> np.ndarray:
+    """For each ring row, the entry of an identical predicted row: the k-th copy of a row
+    content (ring order) takes the k-th entry predicting it (entry order); -1 if none."""
+    result = np.full(rows.shape[0], -1, dtype=np.int64)
+    if predicted.shape[0] == 0:
+        return result
+    n = rows.shape[0]
+    _, groups = np.unique(np.concatenate([rows, predicted]), axis=0, return_inverse=True)
+    groups = groups.reshape(-1).astype(np.int64)
+    span = max(n, predicted.shape[0]) + 1
+    row_keys = groups[:n] * span + _occurrence(groups[:n], np.arange(n))
+    predicted_keys = groups[n:] * span + _occurrence(groups[n:], entries)
+    order = np.argsort(predicted_keys, kind="stable")
+    sorted_keys = predicted_keys[order]
+    at = np.minimum(np.searchsorted(sorted_keys, row_keys), sorted_keys.size - 1)
+    found = sorted_keys[at] == row_keys
+    result[found] = entries[order][at[found]]
     return result
 
 
@@ -410,10 +436,13 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         rows, entry_of = rows[order], entry_of[order]
         base = report.total
         commit_rows(report, rows)
-        for row in rows.tolist():
-            for label in reason_labels(row[7]) or ["none"]:
-                reasons[label] += 1
-            tags[tag_name(row[0])] += 1
+        bits, bit_counts = np.unique(rows[:, 7], return_counts=True)
+        for value, count in zip(bits.tolist(), bit_counts.tolist()):
+            for label in reason_labels(value) or ["none"]:
+                reasons[label] += count
+        kinds, kind_counts = np.unique(rows[:, 0], return_counts=True)
+        for value, count in zip(kinds.tolist(), kind_counts.tolist()):
+            tags[tag_name(value)] += count
         room = max(0, min(rows.shape[0], report.ring_capacity - base))
         for row, entry in zip(rows[:room].tolist(), entry_of[:room].tolist()):
             kept.append(describe(Violation(*row), entry))
