@@ -25,6 +25,8 @@ def run_audit(path: str, options: dict, progress=None):
         return "error", message
     except ImportError as exc:
         return "error", f"{path}: a needed package is missing: {error_message(exc)}"
+    except RuntimeError as exc:  # CUDA runtime or compile errors: the environment
+        return "error", f"{path}: the {options.get('backend')} backend failed: {error_message(exc)}"
 
 
 def render_text(result, echo) -> None:

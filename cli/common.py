@@ -40,6 +40,8 @@ def error_boundary():
         fail(error_message(exc))
     except ImportError as exc:
         fail(f"a needed package is missing: {error_message(exc)}")
+    except RuntimeError as exc:  # CUDA runtime or compile errors: the environment
+        fail(error_message(exc))
 
 
 class Progress:

@@ -231,3 +231,21 @@ def test_installed_entry_point_runs_in_a_subprocess(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().startswith("kvcanary: error: ")
+
+
+def test_progress_only_draws_on_a_terminal():
+    import io
+
+    from kvcanary.cli.common import Progress
+
+    stream = io.StringIO()
+    quiet = Progress("work", stream=stream)   # StringIO is not a terminal
+    quiet(1, 2)
+    quiet(2, 2)
+    quiet.close()
+    assert stream.getvalue() == ""
+    drawn = Progress("work", stream=stream, force=True)
+    drawn(1, 4)
+    drawn(4, 4)
+    drawn.close()
+    assert stream.getvalue() == "\rwork: 1/4 (25%)\rwork: 4/4 (100%)\n"
