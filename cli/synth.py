@@ -60,17 +60,25 @@ def make_config(mode: str, **values):
 @synth_options
 @click.option("--mode", type=click.Choice(["none", "partial", "all"]), default="all",
               show_default=True, help="Real-KV hash mode.")
+@click.option("--backend", type=click.Choice(["numpy", "cupy"]), default="numpy",
+              show_default=True,
+              help="Backend of every plan/write/verify launch (cupy moves the arrays per "
+                   "launch: keep such runs small).")
 @click.option("--inject", multiple=True, metavar="KIND[:COUNT]",
               help="Inject a fault after the run (repeatable; KIND 'all' for every kind): "
                    "token, position, prev-hash, real-kv-byte, alias, swap, stale-reuse, "
                    "slot-zero, lost-write.")
-def synth_command(out, mode, inject, **values):
+def synth_command(out, mode, backend, inject, **values):
     """Simulate serving and write the canary dump OUT (.npz, .safetensors or a directory)."""
     from kvcanary import dump
     from kvcanary.synth import Synthesis, parse_inject
 
     with error_boundary():
-        config = make_config(mode, **values)
+        config = make_config(mode, backend=backend, **values)
+        if backend == "cupy":
+            from kvcanary.audit import resolve_backend
+
+            resolve_backend("cupy")  # a clear error when cupy or a device is missing
         faults = parse_inject(inject)
         if dump.flavour_of(out) == "safetensors":
             dump._safetensors_numpy(out)  # fail before the run when the package is missing

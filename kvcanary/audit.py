@@ -416,6 +416,11 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     if max_real_kv_sources < 1:
         raise AuditError(f"max_real_kv_sources must be at least 1, got {max_real_kv_sources}")
 
+    if len(d.real_kv) > max_real_kv_sources:
+        raise AuditError(
+            f"{d.path}: key real_kv_params: the dump has {len(d.real_kv)} real-KV sources, "
+            f"above the bound: at most {max_real_kv_sources} RealKvSource entries supported by "
+            "the CUDA ABI; raise the bound (kvcanary audit --max-real-kv-sources N)")
     launcher = _Launcher(d, chosen, max_real_kv_sources)
     check_token = d.expected_tokens is not None
     tag = int(d.launch_tag)

@@ -19,7 +19,8 @@ The simulation is a scheduler loop over requests:
 Every step writes the real KV bytes of its new tokens (deterministic per token, position and
 source), then runs ``kvcanary.plan`` and ``kvcanary.write`` (TAIL semantics) and, every
 ``verify_every`` steps, ``kvcanary.verify``; a violation in this honest run is a bug and
-raises. The run stops once every request was admitted and has finished its prefill; the
+raises. The state lives in numpy arrays; ``backend="cupy"`` runs every launch on the CUDA
+kernels (the library moves the arrays per launch, so keep such runs small). The run stops once every request was admitted and has finished its prefill; the
 requests still running are the dump's live requests, the cache's blocks its sweep entries.
 
 Faults (:data:`FAULT_KINDS`) are injected afterwards into the final state, each at a request's
@@ -100,6 +101,7 @@ class SynthConfig:
     vocab: int = 32000
     verify_every: int = 8
     seed: int = 0
+    backend: str = "numpy"
 
     def validate(self) -> None:
         def need(ok, message):
@@ -120,6 +122,8 @@ class SynthConfig:
             low, high = getattr(self, name)
             need(1 <= low <= high, f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got "
                                    f"{low}..{high}")
+        need(self.backend in ("numpy", "cupy"),
+             f"--backend must be numpy or cupy, got {self.backend!r}")
         need(self.vocab >= 2, f"--vocab must be at least 2, got {self.vocab}")
         need(self.num_slots >= 2 * self.page_size,
              f"--slots must hold at least two pages, got {self.num_slots}")
@@ -537,18 +541,19 @@ class Synthesis:
         else:
             capacity = 1
         verify_plan = VerifyPlan.allocate(capacity)
+        backend = c.backend
         api.plan(req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=extend,
                  req_to_token=self.table, verify_plan=verify_plan, write_plan=self.write_plan,
                  swa_window_size=c.swa_window, full_to_swa_index_mapping=self.lut,
                  req_to_verify_expected_tokens=self.token_pool,
-                 req_to_verify_expected_tokens_valid_lens=prefix.copy())
+                 req_to_verify_expected_tokens_valid_lens=prefix.copy(), backend=backend)
         log = self.context.violation_log
         if verify_now:
-            api.verify(self.context, verify_plan, check_expected_token=True)
+            api.verify(self.context, verify_plan, check_expected_token=True, backend=backend)
             self.stats.verify_launches += 1
             self.stats.entries_verified += int(verify_plan.verify_num_valid[0])
         api.write(self.context, self.write_plan, input_ids=tokens, positions=positions,
-                  out_cache_loc=out_loc)
+                  out_cache_loc=out_loc, backend=backend)
         if log.total:
             raise SynthError("internal: the honest simulation produced canary violations "
                              f"at step {self.step}:\n" + "\n".join(
@@ -784,7 +789,8 @@ class Synthesis:
         plan = WritePlan(write_offsets=np.array([0, 1], dtype=np.int64),
                          write_seed_slot_indices=np.array([-1], dtype=np.int64),
                          write_num_valid_reqs=np.array([1], dtype=np.int32))
-        api.write(self.context, plan, input_ids=token, positions=positions, out_cache_loc=slots)
+        api.write(self.context, plan, input_ids=token, positions=positions, out_cache_loc=slots,
+                  backend=self.config.backend)
         self.write_count[slot] += 1
         return self._fault("stale-reuse", b, p, slot, detail=new_position,
                            note=f"rewritten as position {new_position} of another sequence")
