@@ -431,7 +431,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         swa_window_size=d.swa_window_size, check_expected_token=check_token, compat=compat,
         ring_capacity=int(ring_capacity))
     report = ViolationLog.allocate(int(ring_capacity))
-    kept = []  # (finding fields) for the rows that fit the report ring
+    kept = []  # findings of the rows that fit the report ring
     reasons, tags = Counter(), Counter()
     done = 0
 
@@ -474,8 +474,9 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
                      req_to_verify_expected_tokens=pool,
                      req_to_verify_expected_tokens_valid_lens=valid_lens)
         except ValueError as exc:
-            raise AuditError(f"{d.path}: key full_to_swa_index_mapping: "
-                             f"{str(exc).removeprefix('kv-canary: ')}") from None
+            text = str(exc).removeprefix("kv-canary: ")
+            where = "key full_to_swa_index_mapping: " if "full_to_swa" in text else ""
+            raise AuditError(f"{d.path}: {where}{text}") from None
         context = launcher.context(tag, total)
         api.verify(context, verify_plan, check_expected_token=check_token)
         entries = _Entries(*(_host(a)[:total].copy() for a in (
@@ -507,33 +508,35 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
 
     if sweep_entries:
         stag = int(sweep_tag(d.launch_tag))
-        m = sweep_entries
-        plan = VerifyPlan(
-            verify_slot_indices=device(np.ascontiguousarray(d.sweep_slot_indices, dtype=np.int64)),
-            verify_expected_tokens=xp.full(m, EXPECTED_TOKEN_UNKNOWN, dtype=xp.int64),
-            verify_expected_positions=device(np.ascontiguousarray(d.sweep_positions, dtype=np.int64)),
-            verify_prev_slot_indices=device(np.ascontiguousarray(d.sweep_prev_slot_indices,
-                                                                 dtype=np.int64)),
-            verify_num_valid=xp.array([m], dtype=xp.int32), enable=xp.ones(1, dtype=xp.int32))
-        context = launcher.context(stag, m)
-        api.verify(context, plan, check_expected_token=False)
-        entries = _Entries(np.asarray(d.sweep_slot_indices), np.asarray(d.sweep_prev_slot_indices),
-                           np.asarray(d.sweep_positions),
-                           np.full(m, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64))
-        rows = context.violation_log.rows()
-        entry_of = _attribute(rows, entries, launcher, stag, False)
+        step = max(1, int(chunk_entries))
+        for begin in range(0, sweep_entries, step):
+            end = min(sweep_entries, begin + step)
+            m = end - begin
+            entries = _Entries(*(np.ascontiguousarray(a[begin:end], dtype=np.int64) for a in (
+                d.sweep_slot_indices, d.sweep_prev_slot_indices, d.sweep_positions)),
+                np.full(m, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64))
+            plan = VerifyPlan(
+                verify_slot_indices=device(entries.slots),
+                verify_expected_tokens=device(entries.tokens),
+                verify_expected_positions=device(entries.positions),
+                verify_prev_slot_indices=device(entries.prevs),
+                verify_num_valid=xp.array([m], dtype=xp.int32), enable=xp.ones(1, dtype=xp.int32))
+            context = launcher.context(stag, m)
+            api.verify(context, plan, check_expected_token=False)
+            rows = context.violation_log.rows()
+            entry_of = _attribute(rows, entries, launcher, stag, False)
 
-        def describe_sweep(v, entry):
-            if entry < 0:
-                return _finding(v, "unattributed", d.num_slots)
-            return _finding(v, "sweep", d.num_slots, sweep_index=entry,
-                            position=int(entries.positions[entry]),
-                            prev_slot=int(entries.prevs[entry]))
+            def describe_sweep(v, entry, entries=entries, begin=begin):
+                if entry < 0:
+                    return _finding(v, "unattributed", d.num_slots)
+                return _finding(v, "sweep", d.num_slots, sweep_index=begin + entry,
+                                position=int(entries.positions[entry]),
+                                prev_slot=int(entries.prevs[entry]))
 
-        account(rows, entry_of, describe_sweep)
-        done += m
-        if progress:
-            progress(done, total_entries)
+            account(rows, entry_of, describe_sweep)
+            done += m
+            if progress:
+                progress(done, total_entries)
 
     result.total_violations = report.total
     result.findings = kept

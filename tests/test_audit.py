@@ -209,3 +209,13 @@ def test_backend_resolution_without_a_gpu():
 def test_likely_cause_of_a_broken_chain_head():
     v = kc.Violation(2, 5, 0, 1, -1, 0, 0, int(FailReason.VERIFY_CHAIN_HASH_MISMATCH))
     assert "chain head" in likely_cause(v, position=0, prev_slot=-1, num_slots=8)
+
+
+def test_sweep_chunks_keep_indices(tmp_path):
+    arrays = build()
+    arrays.update(sweep_slot_indices=np.array([5, 6, 7, 8, 9, 10], np.int64),
+                  sweep_prev_slot_indices=np.array([-1, 5, 6, 7, 8, 9], np.int64),
+                  sweep_positions=np.array([0, 1, 2, 3, 4, 6], np.int64))
+    one = run(tmp_path, arrays)
+    many = run(tmp_path, arrays, "m.npz", chunk_entries=4)
+    assert [f.sweep_index for f in one.findings] == [f.sweep_index for f in many.findings] == [5]
