@@ -481,7 +481,8 @@ def _load_expected(c: _Checker, dump: Dump, bs: int) -> None:
         c.get("expected_tokens", required=True)
     if pool is None:
         return
-    dump.expected_tokens = c.integer("expected_tokens", pool, (np.int32, np.int64), 2)
+    dump.expected_tokens = c.integer("expected_tokens", pool, (np.int32, np.int64), 2,
+                                     (dump.req_to_token.shape[0], None))
     dump.expected_tokens_valid_lens = c.integer("expected_tokens_valid_lens", lens, (np.int64,),
                                                 1, (bs,))
     c.nonnegative("expected_tokens_valid_lens", lens)

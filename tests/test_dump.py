@@ -215,6 +215,9 @@ def test_inconsistent_optional_groups(tmp_path):
     _expect(save(str(tmp_path / "e.npz"), **arrays), "key full_to_swa_index_mapping", "missing")
     arrays = dict(minimal(), expected_tokens=np.zeros((2, 4), np.int32))
     _expect(save(str(tmp_path / "f.npz"), **arrays), "key expected_tokens_valid_lens")
+    arrays = dict(minimal(), expected_tokens=np.zeros((3, 4), np.int32),
+                  expected_tokens_valid_lens=np.array([2], np.int64))
+    _expect(save(str(tmp_path / "h.npz"), **arrays), "key expected_tokens", "dim 0 must be 2")
     arrays = dict(minimal(), sweep_slot_indices=np.array([1], np.int64))
     _expect(save(str(tmp_path / "g.npz"), **arrays), "key sweep_prev_slot_indices", "missing")
 
