@@ -94,6 +94,8 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, fmt, compa
     for path, (status, value) in zip(dumps, outcomes):
         if status == "error":
             click.echo(f"kvcanary: error: {value}", err=True)
+            if fmt == "json":
+                click.echo(json.dumps({"record": "error", "dump": path, "message": value}))
             code = EXIT_ERROR
             continue
         (render_json if fmt == "json" else render_text)(value, click.echo)

@@ -149,7 +149,7 @@ def save(path, **arrays) -> str:
         with open(path, "wb") as handle:
             np.savez(handle, **values)
     elif flavour == "dir":
-        os.makedirs(path, exist_ok=True)
+        _prepare_directory(path, values)
         for key, array in values.items():
             np.save(os.path.join(path, f"{key}.npy"), array, allow_pickle=False)
     else:
@@ -164,6 +164,21 @@ def save(path, **arrays) -> str:
                 tensors[key] = np.ascontiguousarray(array)
         numpy_api.save_file(tensors, path, metadata=metadata or None)
     return path
+
+
+def _prepare_directory(path: str, values: dict) -> None:
+    """Create the directory; an earlier dump there is replaced as a whole (its ``.npy``
+    files that the new dump does not write are removed), other ``.npy`` files are refused."""
+    os.makedirs(path, exist_ok=True)
+    stale = sorted(name for name in os.listdir(path)
+                   if name.endswith(".npy") and name[: -len(".npy")] not in values)
+    if not stale:
+        return
+    if not os.path.exists(os.path.join(path, f"{VERSION_KEY}.npy")):
+        raise DumpError(f"{path}: the directory holds .npy files that are not a kvcanary dump "
+                        f"({stale[0]}); write the dump to an empty or new directory")
+    for name in stale:
+        os.remove(os.path.join(path, name))
 
 
 def _safetensors_numpy(path):

@@ -249,3 +249,15 @@ def test_progress_only_draws_on_a_terminal():
     drawn(4, 4)
     drawn.close()
     assert stream.getvalue() == "\rwork: 1/4 (25%)\rwork: 4/4 (100%)\n"
+
+
+def test_json_mode_reports_a_bad_dump_as_a_record(tmp_path):
+    good = synth(tmp_path, "g.npz")
+    result = CliRunner().invoke(main, ["audit", str(good), str(tmp_path / "gone.npz"),
+                                       "--format", "json", "-j", "1"])
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    assert any(line.startswith("kvcanary: error: ") and "gone.npz" in line for line in lines)
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [r["record"] for r in records] == ["config", "summary", "error"]
+    assert records[-1]["dump"].endswith("gone.npz")

@@ -257,3 +257,17 @@ def test_not_a_dump(tmp_path):
     with zipfile.ZipFile(tmp_path / "empty.npz", "w"):
         pass
     _expect(str(tmp_path / "empty.npz"), "key kvcanary_dump_version", "missing")
+
+
+def test_directory_dump_replaces_an_earlier_dump_only(tmp_path):
+    directory = str(tmp_path / "d")
+    save(directory, **full_arrays())
+    save(directory, **minimal())          # fewer keys: the earlier dump's extras go
+    d = load(directory)
+    assert d.real_kv == () and d.expected_tokens is None and "synth_note" not in d.extra
+    other = tmp_path / "other"
+    other.mkdir()
+    np.save(other / "mine.npy", np.zeros(3))
+    with pytest.raises(DumpError, match="not a kvcanary dump"):
+        save(str(other), **minimal())
+    assert (other / "mine.npy").exists()
