@@ -22,7 +22,7 @@ def _backend_module(name: str):
     if name == "numpy":
         from . import reference
 
-        return reference
+        return reference.BACKEND
     if name == "cupy":
         from . import cuda
 

@@ -78,6 +78,19 @@ def mix3_inplace(acc: np.ndarray, b, c) -> np.ndarray:
     return splitmix64_inplace(acc)
 
 
+# Elements per in-place block: long arrays are hashed in cache-sized pieces.
+_BLOCK = 1 << 16
+
+
+def link_inplace(prev_hash: np.ndarray, token: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """``prev_hash = link(prev_hash, token, position)`` over uint64 arrays, in place,
+    block by block so the eight passes of each SplitMix64 stay in cache."""
+    for begin in range(0, prev_hash.shape[0], _BLOCK):
+        end = begin + _BLOCK
+        mix3_inplace(prev_hash[begin:end], token[begin:end], position[begin:end])
+    return prev_hash
+
+
 def splitmix64_mix3(a, b, c):
     """``h = splitmix64(a); h = splitmix64(h ^ b); h = splitmix64(h ^ c)``."""
     if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (a, b, c)):

@@ -4,13 +4,14 @@ One module per launch (``plan``, ``write``, ``verify``) plus the shared rules
 (``realkv`` for the real-KV fold, ``ring`` for the violation ring). The CUDA kernels in
 ``kernels/`` have the same shape and names."""
 
+from types import SimpleNamespace
+
 from .plan import plan_reference
 from .verify import verify_reference
 from .write import write_reference
 
-__all__ = ["plan_reference", "verify_reference", "write_reference"]
+__all__ = ["BACKEND", "plan_reference", "verify_reference", "write_reference"]
 
-# The backend interface the API dispatches to.
-plan = plan_reference
-write = write_reference
-verify = verify_reference
+
+# The backend interface the API dispatches to (the CUDA backend offers the same three).
+BACKEND = SimpleNamespace(plan=plan_reference, write=write_reference, verify=verify_reference)

@@ -12,8 +12,9 @@ from numpy.lib.stride_tricks import as_strided
 from ..consts import RealKvHashMode
 from ..hashing import splitmix64_inplace
 
-# Slots hashed per gather: bounds the temporary byte copy (chunk x read bytes).
-_CHUNK_SLOTS = 1 << 16
+# Slots hashed per gather: keeps the temporary byte copy (chunk x read bytes) and the
+# fold's passes over it in cache.
+_CHUNK_SLOTS = 1 << 13
 
 
 def slot_bytes(source, slots: np.ndarray, num_bytes: int) -> np.ndarray:

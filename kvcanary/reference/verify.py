@@ -6,6 +6,9 @@ Per entry, the rules:
   check bits       chain / token / position / real-KV, ORed
   out of range     kvcanary extension: a slot or predecessor outside the buffer is
                    reported as SLOT_OUT_OF_RANGE and never read
+
+Every rule runs over all entries at once; entries that a rule must not touch (slot 0,
+out-of-range indices) read a clamped in-range record and are masked out afterwards.
 """
 
 from __future__ import annotations
@@ -13,9 +16,15 @@ from __future__ import annotations
 import numpy as np
 
 from ..consts import EXPECTED_TOKEN_UNKNOWN, FailReason, TOKEN_TO_KV_SLOT_PADDING
-from ..hashing import CHAIN_HEAD, mix3_inplace
+from ..hashing import CHAIN_HEAD, link_inplace
 from .realkv import real_kv_hash
 from .ring import canary_fields, commit_rows, violation_rows
+
+_CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+_TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
+_POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)
+_REAL_KV = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+_OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
 
 
 def active_entries(plan) -> int:
@@ -25,16 +34,23 @@ def active_entries(plan) -> int:
     return max(0, min(int(plan.verify_num_valid[0]), plan.verify_capacity))
 
 
+def load_records(fields: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """``int64[n, 4]`` records of ``slots`` clamped into the buffer (callers mask the
+    entries whose slot was out of range)."""
+    clamped = np.clip(slots, 0, fields.shape[0] - 1)
+    return np.take(fields, clamped, axis=0)
+
+
 def expected_chain(fields: np.ndarray, prev: np.ndarray, stored_prev_hash: np.ndarray) -> np.ndarray:
-    """uint64 chain link each entry's stored prev_hash must equal."""
-    result = np.array(stored_prev_hash, dtype=np.int64).view(np.uint64)  # unreachable: vacuous
-    result[prev < 0] = CHAIN_HEAD
-    linked = np.flatnonzero((prev > 0) & (prev < fields.shape[0]))
-    if linked.size:
-        record = fields[prev[linked]]
-        acc = record[:, 2].view(np.uint64).copy()
-        result[linked] = mix3_inplace(acc, record[:, 0].view(np.uint64), record[:, 1].view(np.uint64))
-    return result
+    """uint64 chain link each entry's stored prev_hash must equal: H0 for a chain head,
+    the link of the predecessor's record, or the stored value itself (a vacuous check)
+    when the predecessor is unreachable (0) or out of range."""
+    record = load_records(fields, prev)
+    chain = link_inplace(record[:, 2].copy().view(np.uint64),
+                         record[:, 0].view(np.uint64), record[:, 1].view(np.uint64))
+    np.copyto(chain, stored_prev_hash.view(np.uint64), where=(prev == 0) | (prev >= fields.shape[0]))
+    np.copyto(chain, np.uint64(CHAIN_HEAD), where=prev < 0)
+    return chain
 
 
 def verify_reference(context, plan, *, check_expected_token: bool) -> None:
@@ -47,50 +63,48 @@ def verify_reference(context, plan, *, check_expected_token: bool) -> None:
     fields = canary_fields(context.canary_buf)
     num_slots = fields.shape[0]
     slot = plan.verify_slot_indices[:active]
-    entries = np.flatnonzero(slot != TOKEN_TO_KV_SLOT_PADDING)
-    slot = slot[entries]
-    expected_position = plan.verify_expected_positions[:active][entries]
-    prev = plan.verify_prev_slot_indices[:active][entries]
+    expected_position = plan.verify_expected_positions[:active]
+    prev = plan.verify_prev_slot_indices[:active]
     if check_expected_token:
-        expected_token = plan.verify_expected_tokens[:active][entries]
+        expected_token = plan.verify_expected_tokens[:active]
     else:
-        expected_token = np.full(entries.size, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64)
+        expected_token = np.full(active, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64)
 
-    slot_out = (slot < 0) | (slot >= num_slots)
-    inside = np.flatnonzero(~slot_out)
-    record = fields[slot[inside]]
+    record = load_records(fields, slot)
     stored_token, stored_position = record[:, 0], record[:, 1]
-    stored_prev_hash, stored_real_kv = record[:, 2], record[:, 3]
-    prev_in = prev[inside]
-    prev_out = prev_in >= num_slots
-    chain = expected_chain(fields, prev_in, stored_prev_hash).view(np.int64)
-    real_kv = np.zeros(inside.size, dtype=np.int64)
-    if context.hashing:
-        real_kv = real_kv_hash(context.real_kv_sources, context.real_kv_hash_mode,
-                               slot[inside]).view(np.int64)
+    stored_prev_hash = np.ascontiguousarray(record[:, 2])
+    stored_real_kv = record[:, 3]
+    chain = expected_chain(fields, prev, stored_prev_hash).view(np.int64)
+    slot_out = (slot < 0) | (slot >= num_slots)
+    prev_out = prev >= num_slots
 
-    exp_tok = expected_token[inside]
-    bits = np.zeros(inside.size, dtype=np.int64)
-    bits |= np.where((prev_in != 0) & ~prev_out & (stored_prev_hash != chain),
-                     int(FailReason.VERIFY_CHAIN_HASH_MISMATCH), 0)
-    bits |= np.where((exp_tok != EXPECTED_TOKEN_UNKNOWN) & (stored_token != exp_tok),
-                     int(FailReason.VERIFY_TOKEN_MISMATCH), 0)
-    bits |= np.where(stored_position != expected_position[inside],
-                     int(FailReason.VERIFY_POSITION_MISMATCH), 0)
-    bits |= np.where(stored_real_kv != real_kv, int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), 0)
-    bits |= np.where(prev_out, int(FailReason.SLOT_OUT_OF_RANGE), 0)
+    bits = np.zeros(active, dtype=np.int64)
+    bits[stored_prev_hash != chain] |= _CHAIN
+    bits[(expected_token != EXPECTED_TOKEN_UNKNOWN) & (stored_token != expected_token)] |= _TOKEN
+    bits[stored_position != expected_position] |= _POSITION
+    if context.hashing:
+        real_kv = np.zeros(active, dtype=np.uint64)
+        hashed = np.flatnonzero(~slot_out & (slot != TOKEN_TO_KV_SLOT_PADDING))
+        real_kv[hashed] = real_kv_hash(context.real_kv_sources, context.real_kv_hash_mode,
+                                       slot[hashed])
+        bits[stored_real_kv != real_kv.view(np.int64)] |= _REAL_KV
+    else:
+        bits[stored_real_kv != 0] |= _REAL_KV
+    bits[prev_out] |= _OUT_OF_RANGE
+    bits[slot_out] = _OUT_OF_RANGE  # the record was never read: nothing else is known
+    bits[slot == TOKEN_TO_KV_SLOT_PADDING] = 0  # unfilled: skipped
 
     failed = np.flatnonzero(bits)
-    inside_rows = violation_rows(
-        context.kernel_kind, slot[inside][failed], stored_position[failed],
-        stored_token[failed], exp_tok[failed], stored_prev_hash[failed],
-        np.where(prev_out[failed], prev_in[failed], chain[failed]), bits[failed],
-    )
-    outside = np.flatnonzero(slot_out)
-    outside_rows = violation_rows(
-        context.kernel_kind, slot[outside], expected_position[outside], 0,
-        expected_token[outside], 0, slot[outside], int(FailReason.SLOT_OUT_OF_RANGE),
-    )
-    # Rows in entry order, as upstream's reference appends them.
-    order = np.argsort(np.concatenate([inside[failed], outside]), kind="stable")
-    commit_rows(context.violation_log, np.concatenate([inside_rows, outside_rows])[order])
+    if failed.size == 0:
+        return
+    out = slot_out[failed]
+    commit_rows(context.violation_log, violation_rows(
+        context.kernel_kind,
+        slot[failed],
+        np.where(out, expected_position[failed], stored_position[failed]),
+        np.where(out, 0, stored_token[failed]),
+        expected_token[failed],
+        np.where(out, 0, stored_prev_hash[failed]),
+        np.where(out, slot[failed], np.where(prev_out[failed], prev[failed], chain[failed])),
+        bits[failed],
+    ))

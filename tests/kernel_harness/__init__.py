@@ -247,7 +247,7 @@ class Differential:
         from kvcanary import reference
 
         self.kernels = kernels
-        self.reference = reference
+        self.reference = reference.BACKEND
         self.compared = 0
 
     def _overflow_rows(self, context, launch, after: int):
