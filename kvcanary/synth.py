@@ -667,12 +667,13 @@ class Synthesis:
         return made
 
     def _candidates(self):
-        """(batch index, position) of every request-owned live entry with a predecessor and
-        a successor inside the verified window."""
+        """(batch index, position) of every request-owned live entry whose predecessor and
+        successor are inside the verified window (a window head's predecessor may have lost
+        its SWA slot, which makes its chain link unreachable)."""
         W = self.config.swa_window
         batch, positions = [], []
         for b, request in enumerate(self.running):
-            low = max(request.matched, 1, request.seq_len - W if W else 0)
+            low = max(request.matched, 1, request.seq_len - W + 1 if W else 0)
             high = request.seq_len - 1
             if high > low:
                 batch.append(np.full(high - low, b, dtype=np.int64))

@@ -175,3 +175,34 @@ def test_scale_ten_thousand_requests_four_million_slots():
     synthesis = Synthesis(SynthConfig(requests=10_000, num_slots=4 << 20, max_running=64)).run()
     assert time.perf_counter() - started < 60
     assert synthesis.admitted == 10_000
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=int(__import__("os").environ.get("KVC_SYNTH_EXAMPLES", "20")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(page_size=st.sampled_from([1, 2, 8]), swa=st.sampled_from([0, 12, 40]),
+       sources=st.integers(0, 3), mode=st.sampled_from(["none", "partial", "all"]),
+       bytes_per_token=st.sampled_from([16, 48]), chunk=st.sampled_from([3, 17, 64]),
+       seed=st.integers(0, 2**16),
+       kinds=st.lists(st.sampled_from(FAULT_KINDS), min_size=1, max_size=4))
+def test_random_workloads_audit_clean_and_catch_visible_faults(
+        tmp_path, page_size, swa, sources, mode, bytes_per_token, chunk, seed, kinds):
+    """KVC_SYNTH_EXAMPLES=400 runs a longer search."""
+    synthesis = run(requests=30, page_size=page_size, swa_window=swa, sources=sources, mode=mode,
+                    bytes_per_token=bytes_per_token, chunk_size=chunk, seed=seed)
+    clean = audit(roundtrip(tmp_path, synthesis, "clean.npz"), backend="numpy")
+    assert clean.total_violations == 0
+    for kind in kinds:
+        if kind == "real-kv-byte" and not sources:
+            continue
+        try:
+            synthesis.inject(kind)
+        except SynthError as exc:     # a tiny live set can run out of distinct targets
+            assert "distinct" in str(exc) or "second live request" in str(exc)
+    d = roundtrip(tmp_path, synthesis, "faulty.npz")
+    result = audit(d, backend="numpy")
+    assert result.unattributed == 0
+    for outcome in score(faults_from_dump(d), result):
+        assert outcome.detected == outcome.visible, outcome
