@@ -33,7 +33,6 @@ from .consts import (
     PLAN_SLOT_OUT_OF_TABLE,
     FailReason,
     LaunchTag,
-    RealKvHashMode,
 )
 from .dump import Dump, load
 from .reference.plan import window_start
