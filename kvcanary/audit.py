@@ -190,7 +190,8 @@ def failed_checks(bits: int) -> tuple:
     return tuple(words)
 
 
-def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int) -> str:
+def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
+                 swa: bool = False) -> str:
     bits, s = v.fail_reason_bits, v.slot_idx
     causes = []
     if bits & FailReason.SLOT_OUT_OF_RANGE:
@@ -203,7 +204,11 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int)
         else:
             causes.append(f"the predecessor entry (position {position - 1}) points outside the "
                           f"canary buffer (slot {v.expected_aux})")
-    if bits & FailReason.SLOT_ZERO_IN_PREFIX:
+    if bits & FailReason.SLOT_ZERO_IN_PREFIX and swa:
+        causes.append("a live entry inside the sliding window maps to SWA slot 0: its SWA slot "
+                      "was freed (full_to_swa_index_mapping holds 0) or never assigned, or the "
+                      "table entry itself is 0")
+    elif bits & FailReason.SLOT_ZERO_IN_PREFIX:
         causes.append("a live prefix entry is mapped to padding slot 0: the slot was never "
                       "assigned, or its mapping was cleared while the request still uses it "
                       "(lost write or premature free)")
@@ -495,7 +500,8 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
             if entry < 0:
                 return _finding(v, "unattributed", d.num_slots)
             b = int(nonempty[np.searchsorted(offsets, entry, "right") - 1])
-            return _finding(v, "request", d.num_slots, batch_index=begin + b,
+            return _finding(v, "request", d.num_slots, swa=d.full_to_swa_index_mapping is not None,
+                            batch_index=begin + b,
                             request_row=int(rows_table[begin + b]),
                             position=int(entries.positions[entry]),
                             prev_slot=int(entries.prevs[entry]))
@@ -546,9 +552,10 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     return result
 
 
-def _finding(v: Violation, kind: str, num_slots: int, **where) -> Finding:
+def _finding(v: Violation, kind: str, num_slots: int, swa: bool = False, **where) -> Finding:
     position = where.get("position", v.position)
     prev = where.get("prev_slot", -1)
     return Finding(violation=v, kind=kind, checks=failed_checks(v.fail_reason_bits),
-                   cause=likely_cause(v, position=position, prev_slot=prev, num_slots=num_slots),
+                   cause=likely_cause(v, position=position, prev_slot=prev, num_slots=num_slots,
+                                      swa=swa),
                    **where)
