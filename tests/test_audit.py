@@ -219,3 +219,13 @@ def test_sweep_chunks_keep_indices(tmp_path):
     one = run(tmp_path, arrays)
     many = run(tmp_path, arrays, "m.npz", chunk_entries=4)
     assert [f.sweep_index for f in one.findings] == [f.sweep_index for f in many.findings] == [5]
+
+
+def test_row_matching_keeps_order_among_identical_rows():
+    from kvcanary.audit import _match_rows
+
+    a, b, c = [2, 5, 1, 0, 0, 0, 0, 2], [2, 6, 1, 0, 0, 0, 0, 2], [2, 7, 0, 0, 0, 0, 0, 1]
+    rows = np.array([b, a, a, c], dtype=np.int64)          # ring order (e.g. a GPU's)
+    predicted = np.array([a, b, a], dtype=np.int64)
+    entries = np.array([9, 4, 3], dtype=np.int64)          # a predicted by entries 3 and 9
+    np.testing.assert_array_equal(_match_rows(rows, predicted, entries), [4, 3, 9, -1])
