@@ -37,6 +37,8 @@ def active_entries(plan) -> int:
 def load_records(fields: np.ndarray, slots: np.ndarray) -> np.ndarray:
     """``int64[n, 4]`` records of ``slots`` clamped into the buffer (callers mask the
     entries whose slot was out of range)."""
+    if fields.shape[0] == 0:  # no slot is in range: every entry is masked
+        return np.zeros((slots.shape[0], fields.shape[1]), dtype=fields.dtype)
     clamped = np.clip(slots, 0, fields.shape[0] - 1)
     return np.take(fields, clamped, axis=0)
 
