@@ -39,7 +39,9 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify
          req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
          kv_token_id_vs_position_offset: int = 0, backend: str | None = None) -> None:
     """Fill ``verify_plan`` and ``write_plan`` in place for one forward step (spec §5)."""
-    swa_window_size = int(swa_window_size)
+    swa_window_size = A.check_int64(swa_window_size, "swa_window_size")
+    kv_token_id_vs_position_offset = A.check_int64(kv_token_id_vs_position_offset,
+                                                   "kv_token_id_vs_position_offset")
     if swa_window_size > 0 and full_to_swa_index_mapping is None:
         raise ValueError(
             "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when "
@@ -83,11 +85,13 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify
     if bs > write_plan.write_req_capacity:
         raise ValueError(f"kv-canary: bs={bs} exceeds write_req_capacity={write_plan.write_req_capacity}")
     outputs = {**verify_plan.arrays(), **write_plan.arrays()}
+    for name, array in outputs.items():
+        A.check_writeable(array, name)
     library = A.same_library("req_to_token", inputs["req_to_token"],
                              **{k: v for k, v in inputs.items() if k != "req_to_token"}, **outputs)
     kwargs = dict(inputs, verify_plan=verify_plan, write_plan=write_plan,
                   swa_window_size=swa_window_size,
-                  kv_token_id_vs_position_offset=int(kv_token_id_vs_position_offset))
+                  kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
     _run(backend or library, library, "plan", kwargs)
 
 
@@ -120,6 +124,7 @@ def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_
         for name, array in expected.items():
             _check_token_array(array, name, length)
     context.validate()
+    A.check_writeable(context.canary_buf, "canary_buf")
     library = A.same_library("canary_buf", context.canary_buf, **tokens, **expected,
                              **plan.arrays(), **_context_arrays(context))
     _run(backend or library, library, "write",

@@ -75,10 +75,41 @@ def check_contiguous(x, name: str) -> None:
         raise ValueError(f"kv-canary: {name} must be contiguous")
 
 
+def data_address(x) -> int:
+    """Address of the first element (numpy or cupy)."""
+    return int(x.data.ptr) if is_cupy_array(x) else int(x.__array_interface__["data"][0])
+
+
+def check_aligned(x, name: str, alignment: int | None = None) -> None:
+    """The kernels load elements (and canary fields) with aligned loads: a misaligned
+    array is a fault on the GPU, so it is refused on every backend."""
+    alignment = alignment or x.dtype.itemsize
+    if x.size and data_address(x) % alignment:
+        raise ValueError(f"kv-canary: {name} must be aligned to {alignment} bytes, got an array "
+                         f"whose data starts at an address that is not")
+
+
+def check_writeable(x, name: str) -> None:
+    """Launch outputs are written in place: a read-only array is refused, never written."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"kv-canary: {name} is read-only but the launch writes it")
+
+
+def check_int64(value, name: str) -> int:
+    """A scalar argument as a Python int inside int64 (the kernels take it as int64_t)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"kv-canary: {name} must be an integer, got {type(value).__name__}")
+    value = int(value)
+    if not -(1 << 63) <= value < (1 << 63):
+        raise ValueError(f"kv-canary: {name} must fit in int64, got {value}")
+    return value
+
+
 def check_array(x, name: str, dtypes, ndim: int, length: int | None = None) -> None:
     """The usual checks of a kernel argument, in upstream's order of messages."""
     check_contiguous(x, name)
     check_dtype(x, name, *dtypes)
+    check_aligned(x, name)
     check_ndim(x, name, ndim)
     if length is not None:
         check_length(x, name, length)

@@ -236,7 +236,10 @@ class ViolationLog:
                 f"kv-canary: violation_ring must have shape [N, {VIOLATION_FIELDS}] with N >= 1, "
                 f"got {tuple(self.ring.shape)}"
             )
+        A.check_aligned(self.ring, "violation_ring")
         A.check_array(self.write_index, "violation_write_index", _INT32, 1, 1)
+        A.check_writeable(self.ring, "violation_ring")
+        A.check_writeable(self.write_index, "violation_write_index")
 
     @property
     def ring_capacity(self) -> int:
@@ -309,7 +312,7 @@ class CanaryContext:
         max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
     ):
         self.canary_buf = A.as_array(canary_buf, "canary_buf")
-        self.kernel_kind = int(kernel_kind)
+        self.kernel_kind = A.check_int64(kernel_kind, "kernel_kind")
         self.violation_log = violation_log
         self.slot_run_counter = A.as_array(slot_run_counter, "slot_run_counter")
         self.kernel_run_counter = A.as_array(kernel_run_counter, "kernel_run_counter")
@@ -378,9 +381,12 @@ class CanaryContext:
             raise ValueError(
                 f"kv-canary: canary_buf slot stride must be a multiple of 8 bytes, got {buf.shape[1]}"
             )
+        A.check_aligned(buf, "canary_buf", 8)  # records are read as int64 fields
         self.violation_log.validate()
         A.check_array(self.slot_run_counter, "slot_run_counter", _INT64, 1, 1)
         A.check_array(self.kernel_run_counter, "kernel_run_counter", _INT64, 1, 1)
+        for name in ("slot_run_counter", "kernel_run_counter"):
+            A.check_writeable(getattr(self, name), name)
         A.check_array(
             self.enable_chain_position_assert, "enable_chain_position_assert", _INT32, 1, 1
         )
