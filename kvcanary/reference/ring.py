@@ -35,7 +35,9 @@ def commit_rows(log, rows: np.ndarray) -> None:
         return
     base = int(log.write_index[0])
     capacity = log.ring.shape[0]
-    fit = max(0, min(count, capacity - base)) if base >= 0 else 0
-    if fit:
-        log.ring[base:base + fit] = rows[:fit]
+    # Row i claims sequence number base + i and lands only when that is inside the ring
+    # (a negative start index skips the rows whose number is still negative).
+    lo, hi = max(base, 0), min(base + count, capacity)
+    if hi > lo:
+        log.ring[lo:hi] = rows[lo - base:hi - base]
     log.write_index[0] = np.int32(np.int64(base + count).astype(np.int32))
