@@ -34,3 +34,5 @@ from .synth import synth_command  # noqa: E402
 main.add_command(audit_command)
 main.add_command(synth_command)
 main.add_command(demo_command)
+from .campaign import campaign_command  # noqa: E402
+main.add_command(campaign_command)
