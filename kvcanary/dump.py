@@ -193,23 +193,123 @@ def _safetensors_numpy(path):
 # --------------------------------------------------------------------------- load
 
 
+# Bounds on what a container may make the loader allocate, checked before any allocation:
+# a deflated member cannot expand more than deflate's ~1032:1; all members together may
+# expand to at most MAX_NPZ_EXPANSION times the file (or MAX_NPZ_EXPANSION_FLOOR bytes,
+# whichever is larger); a safetensors JSON header is at most 100 MB (the format's own limit).
+MAX_NPZ_EXPANSION = 256
+MAX_NPZ_EXPANSION_FLOOR = 256 << 20
+_DEFLATE_MAX_RATIO = 1032
+MAX_SAFETENSORS_HEADER = 100_000_000
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _npy_layout(fp) -> tuple:
+    """``(shape, dtype, header_bytes, data_bytes)`` of the ``.npy`` stream at ``fp``, read
+    from its header alone (nothing is allocated for the data)."""
+    from numpy.lib import format as npy_format
+
+    start = fp.tell()
+    version = npy_format.read_magic(fp)
+    if version == (1, 0):
+        shape, _, dtype = npy_format.read_array_header_1_0(fp)
+    elif version == (2, 0):
+        shape, _, dtype = npy_format.read_array_header_2_0(fp)
+    else:
+        shape, _, dtype = npy_format._read_array_header(fp, version)
+    if dtype.hasobject:
+        raise ValueError("object (pickled) arrays are refused")
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return tuple(shape), dtype, fp.tell() - start, count * dtype.itemsize
+
+
+def _describe(shape, dtype, nbytes) -> str:
+    return f"shape {shape} of {dtype} ({nbytes} bytes)"
+
+
 def _read_npz(path: str) -> dict:
     import zipfile
 
+    from numpy.lib import format as npy_format
+
     try:
-        archive = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise DumpError(f"{path}: not a readable .npz file ({exc})") from None
-    if not hasattr(archive, "files"):
+        with open(path, "rb") as handle:
+            magic = handle.read(len(_NPY_MAGIC))
+    except OSError as exc:
+        raise DumpError(f"{path}: cannot read ({exc.strerror})") from None
+    if magic == _NPY_MAGIC:
         raise DumpError(f"{path}: not an .npz archive (a single array)")
+    try:
+        archive = zipfile.ZipFile(path)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError) as exc:
+        raise DumpError(f"{path}: not a readable .npz file ({_reason(exc)})") from None
     values = {}
     with archive:
-        for name in archive.files:
+        infos = archive.infolist()
+        _check_zip_members(path, infos)
+        for info in infos:
+            key = info.filename.removesuffix(".npy")
             try:
-                values[name] = archive[name]
+                with archive.open(info) as member:
+                    shape, dtype, header, nbytes = _npy_layout(member)
+                if header + nbytes != info.file_size:
+                    raise DumpError(
+                        f"{path}: key {key}: the .npy header declares "
+                        f"{_describe(shape, dtype, nbytes)} but the archive member holds "
+                        f"{max(0, info.file_size - header)} bytes of data")
+                with archive.open(info) as member:
+                    values[key] = npy_format.read_array(member, allow_pickle=False)
+            except DumpError:
+                raise
             except Exception as exc:
-                raise DumpError(f"{path}: key {name}: cannot read ({_reason(exc)})") from None
+                raise DumpError(f"{path}: key {key}: cannot read ({_reason(exc)})") from None
     return values
+
+
+def _check_zip_members(path: str, infos: list) -> None:
+    """Refuse what would make reading the archive allocate or inflate more than the file can
+    honestly hold: sizes a member's compression cannot produce, members past the end of the
+    file or sharing their data (zip bombs), or too large a total expansion."""
+    import zipfile
+
+    size = os.path.getsize(path)
+    spans, total = [], 0
+    for info in infos:
+        key = info.filename.removesuffix(".npy")
+        where = f"{path}: key {key}:"
+        if info.flag_bits & 0x1:
+            raise DumpError(f"{where} the archive member is encrypted")
+        if info.compress_type == zipfile.ZIP_STORED:
+            if info.compress_size != info.file_size:
+                raise DumpError(f"{where} the stored archive member declares {info.file_size} "
+                                f"bytes but occupies {info.compress_size}")
+        elif info.compress_type == zipfile.ZIP_DEFLATED:
+            if info.file_size > _DEFLATE_MAX_RATIO * info.compress_size + 1024:
+                raise DumpError(f"{where} the archive member declares {info.file_size} bytes "
+                                f"from {info.compress_size} compressed bytes, more than deflate "
+                                "can produce (a corrupt or forged size)")
+        else:
+            raise DumpError(f"{where} the archive member uses zip compression method "
+                            f"{info.compress_type}; .npz members are stored or deflated")
+        begin = info.header_offset
+        end = begin + 30 + len(info.filename.encode()) + info.compress_size
+        if end > size:
+            raise DumpError(f"{where} the archive member extends past the end of the file "
+                            f"({end} > {size} bytes): the file is truncated or corrupt")
+        spans.append((begin, end, key))
+        total += info.file_size
+    spans.sort()
+    for (_, end, _), (begin, _, key) in zip(spans, spans[1:]):
+        if begin < end:
+            raise DumpError(f"{path}: key {key}: archive members overlap (a zip bomb or a "
+                            "corrupt central directory)")
+    limit = max(MAX_NPZ_EXPANSION_FLOOR, MAX_NPZ_EXPANSION * size)
+    if total > limit:
+        raise DumpError(f"{path}: the archive members expand to {total} bytes from a file of "
+                        f"{size} bytes, above the limit of {limit} (a likely zip bomb); "
+                        "save large dumps uncompressed (numpy.savez or kvcanary.dump.save)")
 
 
 def _reason(exc: Exception) -> str:
@@ -231,12 +331,21 @@ def _read_dir(path: str) -> dict:
             continue
         key, file = name[: -len(".npy")], os.path.join(path, name)
         try:
+            with open(file, "rb") as handle:
+                shape, dtype, header, nbytes = _npy_layout(handle)
+            held = os.path.getsize(file) - header
+            if nbytes > held:
+                raise DumpError(f"{file}: key {key}: the .npy header declares "
+                                f"{_describe(shape, dtype, nbytes)} but the file holds "
+                                f"{max(0, held)} bytes of data (truncated or corrupt)")
             try:
                 values[key] = np.load(file, mmap_mode="r", allow_pickle=False)
             except ValueError as exc:
                 if "allow_pickle" in str(exc) or "Object arrays" in str(exc):
                     raise
                 values[key] = np.load(file, allow_pickle=False)  # e.g. empty arrays
+        except DumpError:
+            raise
         except Exception as exc:
             raise DumpError(f"{file}: key {key}: cannot read ({_reason(exc)})") from None
     return values
@@ -272,7 +381,14 @@ def _safetensors_header(path: str) -> tuple:
         if len(head) != 8:
             raise DumpError(f"{path}: truncated .safetensors header")
         (length,) = struct.unpack("<Q", head)
+        available = os.fstat(handle.fileno()).st_size - 8
+        if length > min(available, MAX_SAFETENSORS_HEADER):
+            raise DumpError(f"{path}: the .safetensors header declares {length} bytes of JSON "
+                            f"but the file holds {max(0, available)} after the length field "
+                            f"(limit {MAX_SAFETENSORS_HEADER}): truncated or corrupt")
         header = json.loads(handle.read(length))
+        if not isinstance(header, dict):
+            raise DumpError(f"{path}: the .safetensors header is not a JSON object")
     header["__data_start__"] = 8 + length
     return header
 
