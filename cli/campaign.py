@@ -36,12 +36,12 @@ def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs)
     bars = {}
 
     def progress(phase, done, total):
-        bar = bars.get(phase)
-        if bar is None:
+        if phase not in bars:   # a new phase: finish the line of the previous one
             for other in bars.values():
                 other.close()
-            bar = bars[phase] = Progress(f"campaign: {phase}")
-        bar(done, total)
+            bars.clear()
+            bars[phase] = Progress(f"campaign: {phase}")
+        bars[phase](done, total)
 
     with error_boundary():
         try:
