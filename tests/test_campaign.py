@@ -205,3 +205,12 @@ def test_cupy_backend_without_a_device_is_exit_2():
         assert result.exit_code == 2 and "--backend cupy" in result.output
     else:
         pytest.skip("a CUDA device is usable here")
+
+
+def test_progress_reports_both_phases():
+    calls = []
+    run_campaign(faults_per_kind=2, clean_runs=2, seed=4, backend="numpy", jobs=1,
+                 progress=lambda phase, done, total: calls.append((phase, done, total)))
+    assert [c for c in calls if c[0] == "clean runs"][-1] == ("clean runs", 2, 2)
+    last = [c for c in calls if c[0] == "faults injected"][-1]
+    assert last[1] == last[2] == 2 * len(all_cells())
