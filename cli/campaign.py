@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -33,6 +34,10 @@ def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs)
     reproduce it), 2 on bad input."""
     from kvcanary.campaign import render, run_campaign
 
+    if out:   # fail before the campaign, not after it
+        folder = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            fail(f"--out {out}: the folder {folder} does not exist or is not writable")
     bars = {}
 
     def progress(phase, done, total):

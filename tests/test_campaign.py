@@ -180,6 +180,7 @@ def test_cli_campaign_exit_1_on_a_miss(monkeypatch):
     (["--seed", "-4"], "--seed"),
     (["--backend", "tpu"], "--backend"),
     (["--format", "html"], "--format"),
+    (["--out", "/nonexistent-folder/coverage.md"], "--out"),
 ])
 def test_cli_campaign_bad_input_is_exit_2(args, name):
     result = CliRunner().invoke(main, ["campaign", *args])
