@@ -36,7 +36,7 @@ from .consts import (
 )
 from .dump import Dump, load
 from .reference.plan import window_start
-from .reference.ring import commit_rows, violation_rows
+from .reference.ring import violation_rows
 from .types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
 from .violations import Violation, reason_labels, tag_name
 
@@ -434,17 +434,17 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         real_kv_sources=len(d.real_kv), real_kv_hash_mode=d.real_kv_hash_mode.name.lower(),
         swa_window_size=d.swa_window_size, check_expected_token=check_token, compat=compat,
         ring_capacity=int(ring_capacity))
-    report = ViolationLog.allocate(int(ring_capacity))
-    kept = []  # findings of the rows that fit the report ring
+    capacity = int(ring_capacity)
+    kept = []  # findings of the first `capacity` rows (the report's fill-once ring)
     reasons, tags = Counter(), Counter()
-    done = 0
+    done = total_rows = 0  # a Python int: the report ring's int32 index could wrap
 
     def account(rows: np.ndarray, entry_of: np.ndarray, describe) -> None:
-        nonlocal done
+        nonlocal done, total_rows
         order = np.argsort(np.where(entry_of < 0, np.iinfo(np.int64).max, entry_of), kind="stable")
         rows, entry_of = rows[order], entry_of[order]
-        base = report.total
-        commit_rows(report, rows)
+        base = len(kept)
+        total_rows += rows.shape[0]
         bits, bit_counts = np.unique(rows[:, 7], return_counts=True)
         for value, count in zip(bits.tolist(), bit_counts.tolist()):
             for label in reason_labels(value) or ["none"]:
@@ -452,7 +452,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         kinds, kind_counts = np.unique(rows[:, 0], return_counts=True)
         for value, count in zip(kinds.tolist(), kind_counts.tolist()):
             tags[tag_name(value)] += count
-        room = max(0, min(rows.shape[0], report.ring_capacity - base))
+        room = max(0, min(rows.shape[0], capacity - base))
         for row, entry in zip(rows[:room].tolist(), entry_of[:room].tolist()):
             kept.append(describe(Violation(*row), entry))
 
@@ -543,7 +543,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
             if progress:
                 progress(done, total_entries)
 
-    result.total_violations = report.total
+    result.total_violations = total_rows
     result.findings = kept
     result.counts_by_reason = dict(sorted(reasons.items()))
     result.counts_by_tag = dict(sorted(tags.items()))
