@@ -56,6 +56,9 @@ def summary_line(r) -> str:
             f"{r.total_violations} violation(s)")
     if counts:
         text += f" [{counts}]"
+    if r.counts_by_tag:
+        text += " by tag [" + ", ".join(f"{name} {count}"
+                                       for name, count in r.counts_by_tag.items()) + "]"
     if r.unattributed:
         text += f", {r.unattributed} not attributed to a plan entry"
     return f"{text}; {overflow}; {r.elapsed_s:.2f}s"
