@@ -508,6 +508,15 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     seq_lens = c.integer("seq_lens", c.get("seq_lens", required=True), (np.int64,), 1, (bs,))
     c.nonnegative("req_pool_indices", rows)
     c.nonnegative("seq_lens", seq_lens)
+    # Positions past the table are findings (out of the table), but a length far past it is
+    # a corrupt value that would make the audit enumerate up to 2**63 entries.
+    width = int(req_to_token.shape[1])
+    over = np.flatnonzero((np.asarray(rows) != 0) & (np.asarray(seq_lens) > 2 * width))
+    if over.size:
+        index = int(over[0])
+        c.fail("seq_lens", f"seq_lens[{index}] = {int(seq_lens[index])} is more than twice "
+                           f"req_to_token's width {width}: a corrupt length (positions past the "
+                           "table are reported as findings up to twice its width)")
 
     dump = Dump(path=path, flavour=flavour, canary=canary, req_to_token=req_to_token,
                 req_pool_indices=rows, seq_lens=seq_lens)

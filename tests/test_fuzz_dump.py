@@ -37,7 +37,7 @@ pytestmark = pytest.mark.fuzz
 FLAVOURS = ("npz", "dir", "safetensors")
 MEMORY_LIMIT = 2 << 30       # RLIMIT_AS of the audit subprocess
 TIME_LIMIT = 60              # seconds per audit subprocess (a refused file takes < 2 s)
-SETTINGS = fuzz_settings(150)
+SETTINGS = fuzz_settings(300)
 
 
 def dump_arrays():
@@ -282,6 +282,9 @@ def hostile_corpus(directory: Path) -> dict:
                                                        allow_pickle=True)})
     dump_dir("dir_truncated", {"canary.npy": npy_bytes(arrays["canary"])[:90]})
     dump_dir("dir_garbage", {"req_to_token.npy": b"\x93NUMPY\x01\x00" + b"\xff" * 40})
+    # A valid file holding a corrupt value: 4M positions past an 8-column table used to make
+    # the audit enumerate them all (minutes; 2**26 and up ran out of memory).
+    dump_dir("dir_seq_len_flip", {"seq_lens.npy": npy_bytes(np.array([6 | 1 << 22, 4]))})
 
     good = Path(save(directory / "good.safetensors", **arrays)).read_bytes()
     (length,) = struct.unpack("<Q", good[:8])
@@ -346,6 +349,7 @@ def test_hostile_files_exit_2_with_one_sentence_in_bounded_memory(corpus):
     ("huge_shape_member", "declares shape (68719476736,)"), ("not_npy_member", "key canary"),
     ("pickled_member", "object (pickled) arrays are refused"),
     ("dir_huge_shape", "declares shape (1099511627776,)"), ("dir_pickled", "object"),
+    ("dir_seq_len_flip", "seq_lens[0] = 4194310 is more than twice req_to_token's width 8"),
     ("st_huge_length", "declares 1099511627776 bytes of JSON"),
     ("st_json_list", "not a JSON object"),
 ])
