@@ -26,20 +26,23 @@ from fuzz_support import Guards, fuzz_settings, hang_guard
 from kernel_harness import Differential, numpy_runs
 from kernel_harness.fixtures import cpu_kernels  # noqa: F401
 
-pytestmark = pytest.mark.fuzz
+pytestmark = [pytest.mark.fuzz,
+              # int64 counters near their limit wrap, as in the kernels; numpy warns.
+              pytest.mark.filterwarnings("ignore:overflow encountered in scalar add")]
 
 I64_MAX, I64_MIN = (1 << 63) - 1, -(1 << 63)
 EXTREMES = [0, 1, -1, 2, (1 << 31) - 1, -(1 << 31), 1 << 31, 1 << 32, 1 << 62, -(1 << 62),
             I64_MAX, I64_MIN, I64_MAX - 1, I64_MIN + 1]
 MARK = (1 << 63) - 1
-SETTINGS = fuzz_settings(150)
+SETTINGS = fuzz_settings(400)
 
 # Mutations that turn one argument invalid (or merely unusual: a read-only input is fine).
 MUTATIONS = ("dtype", "float", "ndim", "length", "strided", "misaligned", "readonly", "list")
 
 # Errors valid (unmutated) arguments may still raise, documented on the API.
 DOCUMENTED = ("outside full_to_swa_index_mapping length", "exceeds write_req_capacity",
-              "every canary slot needs its real KV bytes", "row is too narrow")
+              "every canary slot needs its real KV bytes", "row is too narrow",
+              "violation_ring must have shape [N, 8] with N >= 1")
 
 
 def mixed(lo: int, hi: int):
@@ -186,7 +189,6 @@ def plan_inputs(draw):
         valid_lens=draw(int_list(-2, 9, bs, bs)),
         offset=draw(st.one_of(st.integers(-3, 3), st.sampled_from(EXTREMES),
                               st.sampled_from([1 << 64, -(1 << 70)]))),
-        stale=draw(int_list(-5, 5, 0, 0)),
         target=draw(st.sampled_from(PLAN_TARGETS)),
         kind=draw(mutation()),
     )
@@ -267,7 +269,7 @@ VERIFY_NAMES = CONTEXT_NAMES + ("plan.verify_slot_indices", "plan.verify_expecte
 def context_inputs(draw):
     num_slots = draw(st.integers(0, 12))
     stride = draw(st.sampled_from([32, 32, 40, 64]))
-    ring_capacity = draw(st.integers(1, 8))
+    ring_capacity = draw(st.integers(0, 8))
     sources = []
     for _ in range(draw(st.integers(0, 2))):
         sources.append(dict(
@@ -325,7 +327,7 @@ def build_context(m: Maker, c, num_slots_override=None):
                                        np.int32))
 
 
-def _mutated(m: Maker, target, kind, outputs) -> str | None:
+def _mutated(target, kind, outputs) -> str | None:
     if kind is None:
         return None
     if kind == "readonly" and target not in outputs:
@@ -377,7 +379,7 @@ def build_write(w):
                                                 np.int64)
             tokens["expected_input_positions"] = m("expected_input_positions",
                                                    w["expected_positions"], np.int64)
-        m.mutated = _mutated(m, w["target"], w["kind"], WRITE_OUTPUTS)
+        m.mutated = _mutated(w["target"], w["kind"], WRITE_OUTPUTS)
 
         def launch():
             kc.write(context, plan, **tokens)
@@ -427,7 +429,7 @@ def build_verify(v):
             enable=m("plan.enable", [v["enable"]], np.int32))
         # verify only reads the canary (a read-only one is valid): it must stay unchanged.
         m.inputs.append(("canary_buf", context.canary_buf, np.array(context.canary_buf)))
-        m.mutated = _mutated(m, v["target"], v["kind"], VERIFY_OUTPUTS)
+        m.mutated = _mutated(v["target"], v["kind"], VERIFY_OUTPUTS)
 
         def launch():
             kc.verify(context, plan, check_expected_token=v["check_token"])
@@ -549,7 +551,7 @@ def test_misaligned_canary_is_refused():
         kc.verify(context, _verify_plan([1], [-1]))
 
 
-def test_negative_write_index_keeps_the_rows_whose_number_reaches_the_ring(cpu_kernels):  # noqa: F811
+def test_negative_write_index_keeps_rows_whose_number_reaches_the_ring(cpu_kernels):  # noqa: F811
     """Each row claims the next sequence number; a row lands when its number is inside the
     ring, as in the kernels' per-row append (the reference used to drop the whole batch)."""
     for backend in (contextlib.nullcontext(), numpy_runs(Differential(cpu_kernels))):

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
-
-import pytest
 
 from fuzz_support import fuzz_settings
 from kvcanary.audit import audit
