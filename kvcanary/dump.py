@@ -225,6 +225,12 @@ def _npy_layout(fp) -> tuple:
     return tuple(shape), dtype, fp.tell() - start, count * dtype.itemsize
 
 
+def _shown(name: str) -> str:
+    """A key or file name as it may appear in a one-line message: a corrupt archive can name
+    a member with control characters (a newline would split the message)."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
+
+
 def _describe(shape, dtype, nbytes) -> str:
     return f"shape {shape} of {dtype} ({nbytes} bytes)"
 
@@ -250,7 +256,8 @@ def _read_npz(path: str) -> dict:
         infos = archive.infolist()
         _check_zip_members(path, infos)
         for info in infos:
-            key = info.filename.removesuffix(".npy")
+            name = info.filename.removesuffix(".npy")
+            key = _shown(name)
             try:
                 with archive.open(info) as member:
                     shape, dtype, header, nbytes = _npy_layout(member)
@@ -260,7 +267,7 @@ def _read_npz(path: str) -> dict:
                         f"{_describe(shape, dtype, nbytes)} but the archive member holds "
                         f"{max(0, info.file_size - header)} bytes of data")
                 with archive.open(info) as member:
-                    values[key] = npy_format.read_array(member, allow_pickle=False)
+                    values[name] = npy_format.read_array(member, allow_pickle=False)
             except DumpError:
                 raise
             except Exception as exc:
@@ -277,7 +284,7 @@ def _check_zip_members(path: str, infos: list) -> None:
     size = os.path.getsize(path)
     spans, total = [], 0
     for info in infos:
-        key = info.filename.removesuffix(".npy")
+        key = _shown(info.filename.removesuffix(".npy"))
         where = f"{path}: key {key}:"
         if info.flag_bits & 0x1:
             raise DumpError(f"{where} the archive member is encrypted")
@@ -329,25 +336,26 @@ def _read_dir(path: str) -> dict:
     for name in names:
         if not name.endswith(".npy"):
             continue
-        key, file = name[: -len(".npy")], os.path.join(path, name)
+        raw_key, file = name[: -len(".npy")], os.path.join(path, name)
+        key, shown = _shown(raw_key), os.path.join(path, _shown(name))
         try:
             with open(file, "rb") as handle:
                 shape, dtype, header, nbytes = _npy_layout(handle)
             held = os.path.getsize(file) - header
             if nbytes > held:
-                raise DumpError(f"{file}: key {key}: the .npy header declares "
+                raise DumpError(f"{shown}: key {key}: the .npy header declares "
                                 f"{_describe(shape, dtype, nbytes)} but the file holds "
                                 f"{max(0, held)} bytes of data (truncated or corrupt)")
             try:
-                values[key] = np.load(file, mmap_mode="r", allow_pickle=False)
+                values[raw_key] = np.load(file, mmap_mode="r", allow_pickle=False)
             except ValueError as exc:
                 if "allow_pickle" in str(exc) or "Object arrays" in str(exc):
                     raise
-                values[key] = np.load(file, allow_pickle=False)  # e.g. empty arrays
+                values[raw_key] = np.load(file, allow_pickle=False)  # e.g. empty arrays
         except DumpError:
             raise
         except Exception as exc:
-            raise DumpError(f"{file}: key {key}: cannot read ({_reason(exc)})") from None
+            raise DumpError(f"{shown}: key {key}: cannot read ({_reason(exc)})") from None
     return values
 
 
@@ -464,12 +472,27 @@ class _Checker:
         if array.dtype.kind not in "US" or array.ndim != 0:
             self.fail(key, f"must be a string (0-d unicode array), got dtype {array.dtype} "
                            f"shape {tuple(array.shape)}")
+        if not _valid_unicode(array):
+            self.fail(key, "holds an invalid string (code points outside unicode)")
         value = array[()]
-        return value.decode() if isinstance(value, bytes) else str(value)
+        try:
+            return value.decode() if isinstance(value, bytes) else str(value)
+        except UnicodeError:
+            self.fail(key, "holds an invalid string (not UTF-8)")
 
     def nonnegative(self, key: str, array):
         if array.size and int(np.min(array)) < 0:
             self.fail(key, f"holds a negative value ({int(np.min(array))})")
+
+
+def _valid_unicode(array) -> bool:
+    """Whether a ``U`` array holds only unicode code points: numpy turns a corrupt one into a
+    Python string with a deferred SystemError instead of raising."""
+    if array.dtype.kind != "U":
+        return True
+    order = ">" if array.dtype.byteorder == ">" else "<"
+    codes = np.frombuffer(np.ascontiguousarray(array).tobytes(), dtype=f"{order}u4")
+    return bool(((codes <= 0x10FFFF) & ((codes < 0xD800) | (codes > 0xDFFF))).all())
 
 
 def load(path) -> Dump:
@@ -541,8 +564,8 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     for key, value in values.items():
         if key in known or key.startswith("real_kv_"):
             continue
-        if value.dtype.kind == "U" and value.ndim == 0:
-            value = str(value[()])
+        if value.dtype.kind == "U" and value.ndim == 0 and _valid_unicode(value):
+            value = str(value[()])  # (invalid unicode stays an array: audit ignores extras)
         dump.extra[key] = value
     return dump
 

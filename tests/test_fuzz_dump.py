@@ -261,6 +261,9 @@ def hostile_corpus(directory: Path) -> dict:
     deflated = Path(write_zip(directory / "deflated.npz", base, zipfile.ZIP_DEFLATED)).read_bytes()
     (directory / "forged_ratio.npz").write_bytes(patch_central(deflated, 0, 24, 0x7FFFFFFF))
     corpus["forged_ratio"] = str(directory / "forged_ratio.npz")
+    at = stored.find(b"PK\x01\x02") + 46  # the first central record's file name
+    (directory / "control_name.npz").write_bytes(stored[:at] + b"\n" + stored[at + 1:])
+    corpus["control_name"] = str(directory / "control_name.npz")
     (directory / "truncated.npz").write_bytes(stored[: len(stored) // 2])
     corpus["truncated"] = str(directory / "truncated.npz")
     (directory / "pickle.npz").write_bytes(pickle.dumps({"canary": [1, 2, 3]}))
@@ -285,6 +288,9 @@ def hostile_corpus(directory: Path) -> dict:
     # A valid file holding a corrupt value: 4M positions past an 8-column table used to make
     # the audit enumerate them all (minutes; 2**26 and up ran out of memory).
     dump_dir("dir_seq_len_flip", {"seq_lens.npy": npy_bytes(np.array([6 | 1 << 22, 4]))})
+    # A code point past U+10FFFF: numpy used to hand back a string with a deferred SystemError.
+    dump_dir("dir_bad_unicode", {"launch_tag.npy": npy_bytes(np.array("TAIL_K_FULL")).replace(
+        b"K\x00\x00\x00", b"K\x00\x00\x01")})
 
     good = Path(save(directory / "good.safetensors", **arrays)).read_bytes()
     (length,) = struct.unpack("<Q", good[:8])
@@ -350,6 +356,8 @@ def test_hostile_files_exit_2_with_one_sentence_in_bounded_memory(corpus):
     ("pickled_member", "object (pickled) arrays are refused"),
     ("dir_huge_shape", "declares shape (1099511627776,)"), ("dir_pickled", "object"),
     ("dir_seq_len_flip", "seq_lens[0] = 4194310 is more than twice req_to_token's width 8"),
+    ("dir_bad_unicode", "key launch_tag: holds an invalid string"),
+    ("control_name", "key \\n"),
     ("st_huge_length", "declares 1099511627776 bytes of JSON"),
     ("st_json_list", "not a JSON object"),
 ])
