@@ -107,6 +107,14 @@ KVC_DEVICE void add_counter(int64_t* counter, int64_t value) {
 
 KVC_DEVICE int64_t bit(FailReason reason) { return static_cast<int64_t>(reason); }
 
+// Two's-complement arithmetic that wraps like numpy's int64 instead of being undefined.
+KVC_DEVICE int64_t wrap_add(int64_t a, int64_t b) {
+  return static_cast<int64_t>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
+}
+KVC_DEVICE int64_t wrap_sub(int64_t a, int64_t b) {
+  return static_cast<int64_t>(static_cast<uint64_t>(a) - static_cast<uint64_t>(b));
+}
+
 // Global thread id and grid stride of a 1-D launch.
 KVC_DEVICE int64_t global_thread() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

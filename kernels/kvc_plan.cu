@@ -49,14 +49,6 @@ KVC_DEVICE int64_t translate(int64_t slot, const int64_t* lut, int64_t lut_len) 
   return lut[slot];
 }
 
-// Two's-complement arithmetic that wraps like numpy's int64 instead of being undefined.
-KVC_DEVICE int64_t wrap_add(int64_t a, int64_t b) {
-  return static_cast<int64_t>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
-}
-KVC_DEVICE int64_t wrap_sub(int64_t a, int64_t b) {
-  return static_cast<int64_t>(static_cast<uint64_t>(a) - static_cast<uint64_t>(b));
-}
-
 KVC_DEVICE int64_t window_start(int64_t prefix_len, int64_t swa_window_size) {
   if (swa_window_size <= 0) return 0;
   const int64_t start = wrap_sub(prefix_len, swa_window_size);
@@ -169,7 +161,8 @@ extern "C" __global__ void kvc_plan_entries(
     }
     const int64_t r = lo;
     const int64_t rp = req_pool_indices[r];
-    const int64_t pos = window_start(prefix_lens[r], swa_window_size) + (t - verify_offsets_scratch[r]);
+    const int64_t pos =
+        wrap_add(window_start(prefix_lens[r], swa_window_size), t - verify_offsets_scratch[r]);
     verify_slot_indices[t] = translate(table_slot(table, rp, pos), full_to_swa_index_mapping, lut_len);
     verify_expected_positions[t] = pos;
     // A window head keeps its real predecessor: the chain runs over the whole prefix.

@@ -59,7 +59,7 @@ KVC_DEVICE int64_t write_request(uint8_t* canary_buf, int64_t stride, int64_t nu
       if (bits != 0) append_violation(ring, kernel_kind, slot, pos, tok, et, prev_hash, ep, bits);
     }
     if (do_pos_assert) {
-      const int64_t expected = running_pos + 1;
+      const int64_t expected = wrap_add(running_pos, 1);  // wraps at int64 max, like numpy
       if (pos != expected) {
         append_violation(ring, kernel_kind, slot, pos, tok, tok, prev_hash, expected,
                          bit(FailReason::kWritePositionMismatch));
