@@ -570,3 +570,26 @@ def test_misaligned_int64_argument_is_refused():
         kc.verify(_small_context(4), kc.VerifyPlan(
             slots, np.zeros(4, np.int64), np.zeros(4, np.int64), np.zeros(4, np.int64),
             np.array([4], np.int32), np.ones(1, np.int32)))
+
+
+def test_plan_positions_wrap_past_int64_max_like_numpy(cpu_kernels):  # noqa: F811
+    """prefix_len = INT64_MIN + 1 with a window of 3 starts the window at INT64_MAX - 1: the
+    third entry's position wraps (the kernel computed it with a signed overflow, which the
+    sanitizer run of the fuzz found)."""
+    verify_plan, write_plan = kc.VerifyPlan.allocate(8), kc.WritePlan.allocate(1)
+    with numpy_runs(Differential(cpu_kernels)):
+        kc.plan(req_pool_indices=np.array([1]), prefix_lens=np.array([I64_MIN + 1]),
+                extend_seq_lens=np.array([0]), req_to_token=np.arange(8).reshape(2, 4),
+                verify_plan=verify_plan, write_plan=write_plan, swa_window_size=3,
+                full_to_swa_index_mapping=np.arange(16))
+    assert verify_plan.verify_expected_positions[:3].tolist() == [I64_MAX - 1, I64_MAX, I64_MIN]
+
+
+def test_write_position_chain_wraps_past_int64_max_like_numpy(cpu_kernels):  # noqa: F811
+    context = _small_context(4)
+    context.canary_buf.view("<i8")[2, :4] = [7, I64_MAX, 0, 0]  # the seed's record
+    plan = kc.WritePlan(np.array([0, 1]), np.array([2]), np.array([1], np.int32))
+    with numpy_runs(Differential(cpu_kernels)):
+        kc.write(context, plan, input_ids=np.array([5]), positions=np.array([0]),
+                 out_cache_loc=np.array([3]))
+    assert [v.expected_aux for v in context.violation_log.violations()] == [I64_MIN]
