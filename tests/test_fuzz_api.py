@@ -109,8 +109,9 @@ class Maker:
 
 
 def run_on_both_backends(build, cpu_kernels, names) -> None:  # noqa: F811
-    """``build(maker)`` returns a callable making the launch; run it on the reference and
-    behind the Differential backend; check outcomes, guards and inputs."""
+    """``build(guards)`` makes the arguments of one example (a ``Maker`` whose ``launch()``
+    runs it). Run on the reference, then behind the Differential backend (and on the kernels
+    alone for the LUT divergence); check outcomes, guard bytes and inputs each time."""
     outcomes = []
     for backend in ("reference", "differential", "kernels"):
         if backend == "kernels" and not _lut_divergence(outcomes[0]):

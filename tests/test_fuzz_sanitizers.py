@@ -17,7 +17,7 @@ from test_kernels_cpu_sanitizers import asan_runtime
 pytestmark = pytest.mark.fuzz
 
 TESTS = Path(__file__).resolve().parent
-EXAMPLES = os.environ.get("KVCANARY_FUZZ_SANITIZER_EXAMPLES", "40")
+EXAMPLES = os.environ.get("KVCANARY_FUZZ_SANITIZER_EXAMPLES", "100")
 
 
 @pytest.mark.skipif(os.environ.get("KVCANARY_HARNESS_SANITIZE") == "1",
