@@ -460,7 +460,7 @@ class _Checker:
                 if want is not None and got != want:
                     self.fail(key, f"shape {tuple(array.shape)} does not match: dim {axis} must "
                                    f"be {want}")
-        return array
+        return _aligned(array)
 
     def scalar_int(self, key: str, array) -> int:
         if array.dtype.kind not in "iu" or array.size != 1 or array.ndim > 1:
@@ -483,6 +483,16 @@ class _Checker:
     def nonnegative(self, key: str, array):
         if array.size and int(np.min(array)) < 0:
             self.fail(key, f"holds a negative value ({int(np.min(array))})")
+
+
+def _aligned(array, alignment: int | None = None):
+    """``array``, or an aligned copy when its data starts off its element alignment (a
+    ``.npy`` header whose length is not a multiple of the alignment, memory-mapped): the
+    launches refuse misaligned arrays."""
+    alignment = alignment or array.dtype.itemsize
+    if array.size and array.__array_interface__["data"][0] % alignment:
+        return np.array(array, copy=True)
+    return array
 
 
 def _valid_unicode(array) -> bool:
@@ -523,6 +533,7 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
         c.fail("canary", "has no slots")
     if not canary.flags.c_contiguous:
         canary = np.ascontiguousarray(canary)
+    canary = _aligned(canary, 8)  # records are read as int64 fields
 
     req_to_token = c.integer("req_to_token", c.get("req_to_token", required=True),
                              (np.int32, np.int64), 2)
@@ -658,8 +669,8 @@ def _load_sweep(c: _Checker, dump: Dump) -> None:
         return
     arrays = [c.get(k, required=True) for k in keys]
     length = arrays[0].shape[0] if arrays[0].ndim == 1 else None
-    for key, array in zip(keys, arrays):
-        c.integer(key, array, (np.int64,), 1, (length,))
+    arrays = [c.integer(key, array, (np.int64,), 1, (length,))
+              for key, array in zip(keys, arrays)]
     c.nonnegative("sweep_positions", arrays[2])
     dump.sweep_slot_indices, dump.sweep_prev_slot_indices, dump.sweep_positions = arrays
 
