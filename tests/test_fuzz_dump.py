@@ -30,6 +30,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fuzz_support import fuzz_settings, hang_guard
+from kvcanary.audit import AuditError, audit
 from kvcanary.dump import DumpError, load, save
 
 pytestmark = pytest.mark.fuzz
@@ -144,13 +145,18 @@ def corruptions(draw, originals):
 
 
 def check_load(path: str) -> str:
-    """``load`` either works or raises ``DumpError`` naming the file; returns the outcome."""
+    """``load`` either works (and the dump audits or is refused with ``AuditError``) or
+    raises ``DumpError`` naming the file; returns the outcome."""
     before = digest(path)
     with hang_guard(60):
         started = time.monotonic()
         try:
-            load(path)
+            dump = load(path)
             outcome = "loaded"
+            try:  # a dump that loads audits, or is refused as unauditable
+                audit(dump, backend="numpy")
+            except AuditError as exc:
+                assert str(exc).startswith(path), str(exc)
         except DumpError as exc:
             message = str(exc)
             assert message.startswith(path), message
@@ -400,3 +406,23 @@ def test_random_corruptions_through_the_command_never_crash(originals, tmp_path)
     for line in result.stderr.strip().splitlines():
         assert line.startswith("kvcanary: error: ") and any(p in line for p in paths), line
     assert [digest(p) for p in paths] == before
+
+
+def test_npy_whose_header_leaves_the_data_misaligned_still_audits(tmp_path):
+    """A .npy header two bytes short of numpy's padding (found by the load fuzz) puts the
+    memory-mapped data at an odd address; load hands out aligned copies so the launches,
+    which refuse misaligned arrays, still run."""
+    arrays = dump_arrays()
+    path = tmp_path / "d"
+    save(path, **arrays)
+    for key in ("canary", "seq_lens"):
+        npy = npy_bytes(arrays[key])
+        (length,) = struct.unpack("<H", npy[8:10])
+        header = npy[10:10 + length - 3] + b"\n"   # two padding spaces fewer
+        (path / f"{key}.npy").write_bytes(npy[:8] + struct.pack("<H", len(header)) + header
+                                          + npy[10 + length:])
+    dump = load(str(path))
+    assert dump.canary.__array_interface__["data"][0] % 8 == 0
+    assert dump.seq_lens.__array_interface__["data"][0] % 8 == 0
+    np.testing.assert_array_equal(dump.canary, arrays["canary"])
+    assert audit(dump, backend="numpy").entries_checked == 11
