@@ -7,6 +7,12 @@ import click
 
 import kvcanary
 
+from .audit import audit_command
+from .campaign import campaign_command
+from .demo import demo_command
+from .smoke import smoke
+from .synth import synth_command
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(kvcanary.__version__, prog_name="kvcanary")
@@ -23,16 +29,5 @@ def info() -> None:
         click.echo(f"{key + ':':<22}{value}")
 
 
-from .smoke import smoke  # noqa: E402
-main.add_command(smoke)
-
-
-from .audit import audit_command  # noqa: E402
-from .demo import demo_command  # noqa: E402
-from .synth import synth_command  # noqa: E402
-
-main.add_command(audit_command)
-main.add_command(synth_command)
-main.add_command(demo_command)
-from .campaign import campaign_command  # noqa: E402
-main.add_command(campaign_command)
+for _command in (demo_command, synth_command, audit_command, campaign_command, smoke):
+    main.add_command(_command)
