@@ -85,8 +85,8 @@ def check_aligned(x, name: str, alignment: int | None = None) -> None:
     array is a fault on the GPU, so it is refused on every backend."""
     alignment = alignment or x.dtype.itemsize
     if x.size and data_address(x) % alignment:
-        raise ValueError(f"kv-canary: {name} must be aligned to {alignment} bytes, got an array "
-                         f"whose data starts at an address that is not")
+        raise ValueError(f"kv-canary: {name} must be aligned to {alignment} bytes, got data "
+                         f"starting {data_address(x) % alignment} byte(s) past a boundary")
 
 
 def check_writeable(x, name: str) -> None:
