@@ -193,6 +193,27 @@ def _false_positive(where: str, config: dict, backend: str, rules: str, result) 
             "reproduce": synth_command(config) + " && " + audit_command(backend, rules)}
 
 
+def _simulate_and_audit_clean(out: dict, config, backends, phase: str, what: str):
+    """Play ``config`` and audit its (fault-free) final state on every backend and rule
+    set, counting audits and any violation as a false positive under ``phase``. Returns the
+    simulation, or None when it failed (recorded as an error: an honest run whose in-run
+    verify fired)."""
+    try:
+        synthesis = _synthesis(config)
+    except SynthError as exc:
+        out["errors"].append({"what": f"simulation failed: {str(exc).splitlines()[0]}",
+                              "config": config, "reproduce": synth_command(config)})
+        return None
+    for backend, rules, result in _audits(_dump(synthesis.arrays()), backends):
+        key = _fp_key(phase, backend, rules)
+        audits, violations = out["fp"].get(key, (0, 0))
+        out["fp"][key] = (audits + 1, violations + result.total_violations)
+        if result.total_violations:
+            out["false_positives"].append(
+                _false_positive(what, config, backend, rules, result))
+    return synthesis
+
+
 def _inject_plans(inject):
     """The plan, then smaller ones, for a workload whose live set is too small for it."""
     yield list(inject)
@@ -212,19 +233,10 @@ def run_fault_task(task: dict) -> dict:
     out = {"index": task["index"], "cells": {}, "misses": [], "false_positives": [],
            "errors": [], "fp": {}, "shortages": 0, "unattributed": 0, "inject": [],
            "targets": []}
-    try:
-        clean = _synthesis(config)
-    except SynthError as exc:
-        out["errors"].append({"what": f"simulation failed: {str(exc).splitlines()[0]}",
-                              "config": config, "reproduce": synth_command(config)})
+    clean = _simulate_and_audit_clean(out, config, backends, "prefault",
+                                      "clean state of a fault run")
+    if clean is None:
         return out
-    for backend, rules, result in _audits(_dump(clean.arrays()), backends):
-        key = _fp_key("prefault", backend, rules)
-        audits, violations = out["fp"].get(key, (0, 0))
-        out["fp"][key] = (audits + 1, violations + result.total_violations)
-        if result.total_violations:
-            out["false_positives"].append(
-                _false_positive("clean state of a fault run", config, backend, rules, result))
     # Every injection of the plan must succeed, so that ``kvcanary synth --inject`` rebuilds
     # exactly these faults; a live set too small for the plan gets a smaller one.
     synthesis, done = None, []
@@ -282,19 +294,7 @@ def run_fault_task(task: dict) -> dict:
 def run_clean_task(task: dict) -> dict:
     config, backends = task["config"], task["backends"]
     out = {"index": task["index"], "fp": {}, "false_positives": [], "errors": []}
-    try:
-        synthesis = _synthesis(config)
-    except SynthError as exc:   # an honest run whose in-run verify fired is a false positive
-        out["errors"].append({"what": f"simulation failed: {str(exc).splitlines()[0]}",
-                              "config": config, "reproduce": synth_command(config)})
-        return out
-    for backend, rules, result in _audits(_dump(synthesis.arrays()), backends):
-        key = _fp_key("clean", backend, rules)
-        audits, violations = out["fp"].get(key, (0, 0))
-        out["fp"][key] = (audits + 1, violations + result.total_violations)
-        if result.total_violations:
-            out["false_positives"].append(
-                _false_positive("clean run", config, backend, rules, result))
+    _simulate_and_audit_clean(out, config, backends, "clean", "clean run")
     return out
 
 

@@ -164,3 +164,16 @@ def run_plan(req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *,
             extend_seq_lens=i64(extend_seq_lens), req_to_token=req_to_token,
             verify_plan=verify_plan, write_plan=write_plan, **kwargs)
     return verify_plan, write_plan
+
+
+class DLPackOnly:
+    """A foreign array: exposes only the DLPack protocol of a numpy array it wraps."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()

@@ -4,20 +4,7 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from builders import H0, i64, make_context, make_verify_plan, make_write_plan, signed
-
-
-class DLPackOnly:
-    """A foreign array: exposes only the DLPack protocol of a numpy array it wraps."""
-
-    def __init__(self, array):
-        self._array = array
-
-    def __dlpack__(self, **kwargs):
-        return self._array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._array.__dlpack_device__()
+from builders import H0, DLPackOnly, i64, make_context, make_verify_plan, make_write_plan, signed
 
 
 def test_dlpack_objects_work_zero_copy():

@@ -13,6 +13,8 @@ import pytest
 from kvcanary import LaunchTag, RealKvHashMode
 from kvcanary.dump import DumpError, load, save
 
+from builders import DLPackOnly
+
 FLAVOURS = ("npz", "dir", "safetensors")
 
 
@@ -90,16 +92,6 @@ def test_int64_canary_is_accepted(tmp_path):
 
 
 def test_save_accepts_dlpack_and_array_protocol_objects(tmp_path):
-    class DLPackOnly:
-        def __init__(self, array):
-            self._array = array
-
-        def __dlpack__(self, **kwargs):
-            return self._array.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self):
-            return self._array.__dlpack_device__()
-
     class ArrayOnly:
         def __init__(self, array):
             self._array = array
