@@ -404,6 +404,7 @@ class CanaryContext:
             if self.hashing:  # NONE mode never dereferences a source
                 source.check_fits(self.num_slots, name)
 
+
 def _namespace(array):
     if A.is_cupy_array(array):
         import cupy
