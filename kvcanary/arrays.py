@@ -104,9 +104,9 @@ def _dlpack_bytes(tensor: dlpack.Tensor) -> ByteView:
     if not _unit_last_stride(tensor.shape, elements, 1):
         return ByteView(None, **given)
     if not tensor.shape:
-        return ByteView(dlpack.wrap(tensor, np.uint8, (bits // 8,), (1,)), **given)
+        return ByteView(dlpack.byte_array(tensor, (bits // 8,), (1,)), **given)
     shape = tensor.shape[:-1] + (tensor.shape[-1] * bits // 8,)
-    return ByteView(dlpack.wrap(tensor, np.uint8, shape, strides[:-1] + (1,)), **given)
+    return ByteView(dlpack.byte_array(tensor, shape, strides[:-1] + (1,)), **given)
 
 
 def _unit_last_stride(shape, strides, unit) -> bool:

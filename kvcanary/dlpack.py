@@ -40,7 +40,7 @@ _FLAG_READ_ONLY = 1 << 0
 _FLAG_SUBBYTE_PADDED = 1 << 2
 
 
-# dlpack.h structs, read with struct (far cheaper per call than ctypes.Structure fields):
+# dlpack.h structs as struct formats:
 # DLTensor {void* data; DLDevice {int32 type, id}; int32 ndim; DLDataType {uint8 code, bits;
 # uint16 lanes}; int64* shape; int64* strides; uint64 byte_offset}; DLManagedTensor starts
 # with it; DLManagedTensorVersioned starts with {uint32 major, minor}, manager_ctx, deleter,
@@ -170,9 +170,9 @@ class _Owner:
     """Holds the capsule and describes the memory to numpy or cupy through their array
     interfaces; the array made from it keeps this object (and so the capsule) alive."""
 
-    def __init__(self, tensor: Tensor, dtype: np.dtype, shape: tuple, byte_strides: tuple):
+    def __init__(self, tensor: Tensor, shape: tuple, byte_strides: tuple):
         self.tensor = tensor
-        interface = {"shape": shape, "typestr": dtype.str, "strides": byte_strides,
+        interface = {"shape": shape, "typestr": "|u1", "strides": byte_strides,
                      "data": (tensor.data, tensor.read_only), "version": 3}
         if tensor.device_type in HOST_DEVICES:
             self.__array_interface__ = interface
@@ -180,9 +180,10 @@ class _Owner:
             self.__cuda_array_interface__ = dict(interface, stream=None)  # synced at export
 
 
-def wrap(tensor: Tensor, dtype: np.dtype, shape: tuple, byte_strides: tuple):
-    """A numpy (host) or cupy (CUDA) array over the tensor's memory, owning the capsule."""
-    owner = _Owner(tensor, np.dtype(dtype), tuple(shape), tuple(byte_strides))
+def byte_array(tensor: Tensor, shape: tuple, byte_strides: tuple):
+    """A ``uint8`` numpy (host) or cupy (CUDA) array over the tensor's memory, owning the
+    capsule."""
+    owner = _Owner(tensor, tuple(shape), tuple(byte_strides))
     if tensor.device_type in HOST_DEVICES:
         return np.asarray(owner)
     cupy = import_cupy("array")
