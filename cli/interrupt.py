@@ -68,9 +68,9 @@ def interruptible(command: click.Command) -> click.Command:
             try:
                 return callback(*args, **kwargs)
             except Interrupted as exc:
-                for close in _activity.closing:
-                    close(exc)
                 with contextlib.suppress(OSError):   # a reader that has gone away
+                    for close in _activity.closing:
+                        close(exc)
                     sys.stdout.flush()
                 click.echo(f"kvcanary: {_activity.describe(exc)}", err=True)
                 sys.exit(exc.exit_status)
