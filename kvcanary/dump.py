@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arrays import as_array
+from .atomic import replacing
 from .consts import LaunchTag, RealKvHashMode
 
 DUMP_VERSION = 1
@@ -139,13 +140,16 @@ def save(path, **arrays) -> str:
         if array.dtype.kind == "O":
             raise DumpError(f"{path}: key {key}: object arrays cannot be dumped")
         values[key] = array
+    # Written under a temporary name and renamed when complete: an interrupt or an error
+    # leaves the earlier dump at ``path`` (or nothing), never a part of the new one.
     if flavour == "npz":
-        with open(path, "wb") as handle:
+        with replacing(path) as temporary, open(temporary, "wb") as handle:
             np.savez(handle, **values)
     elif flavour == "dir":
-        _prepare_directory(path, values)
-        for key, array in values.items():
-            np.save(os.path.join(path, f"{key}.npy"), array, allow_pickle=False)
+        _check_replaceable_directory(path)
+        with replacing(path, directory=True) as temporary:
+            for key, array in values.items():
+                np.save(os.path.join(temporary, f"{key}.npy"), array, allow_pickle=False)
     else:
         numpy_api = _safetensors_numpy(path)
         metadata, tensors = {}, {}
@@ -156,23 +160,26 @@ def save(path, **arrays) -> str:
                 metadata[key] = str(array[()])
             else:
                 tensors[key] = np.ascontiguousarray(array)
-        numpy_api.save_file(tensors, path, metadata=metadata or None)
+        with replacing(path) as temporary:
+            numpy_api.save_file(tensors, temporary, metadata=metadata or None)
     return path
 
 
-def _prepare_directory(path: str, values: dict) -> None:
-    """Create the directory; an earlier dump there is replaced as a whole (its ``.npy``
-    files that the new dump does not write are removed), other ``.npy`` files are refused."""
-    os.makedirs(path, exist_ok=True)
-    stale = sorted(name for name in os.listdir(path)
-                   if name.endswith(".npy") and name[: -len(".npy")] not in values)
-    if not stale:
+def _check_replaceable_directory(path: str) -> None:
+    """A directory dump replaces only nothing, an empty directory or an earlier dump (as a
+    whole); a directory holding anything else is refused, so no other file is lost."""
+    if not os.path.lexists(path):
         return
-    if not os.path.exists(os.path.join(path, f"{VERSION_KEY}.npy")):
-        raise DumpError(f"{path}: the directory holds .npy files that are not a kvcanary dump "
-                        f"({stale[0]}); write the dump to an empty or new directory")
-    for name in stale:
-        os.remove(os.path.join(path, name))
+    if not os.path.isdir(path):
+        raise DumpError(f"{path}: exists and is not a directory; a dump path without .npz or "
+                        ".safetensors is written as a directory of .npy files")
+    names = sorted(os.listdir(path))
+    if not names:
+        return
+    foreign = [name for name in names if not name.endswith(".npy")]
+    if foreign or f"{VERSION_KEY}.npy" not in names:
+        raise DumpError(f"{path}: the directory holds files that are not a kvcanary dump "
+                        f"({(foreign or names)[0]}); write the dump to an empty or new directory")
 
 
 def _safetensors_numpy(path):
