@@ -53,13 +53,13 @@ def run_demo(*, mode: str = "partial", seed: int = 0, backend: str = "auto",
         synthesis = Synthesis(config).run(progress=progress)
         clean_path = os.path.join(where, "clean.npz")
         save(clean_path, **synthesis.arrays())
-        clean = audit(clean_path, backend=backend, compat=compat)
+        clean = audit(clean_path, backend=backend, compat=compat, max_findings=0)
         for kind, count in DEMO_FAULTS:
             synthesis.inject(kind, count)
         faulty_path = os.path.join(where, "faulty.npz")
         save(faulty_path, **synthesis.arrays())
         faulty_dump = load(faulty_path)
-        faulty = audit(faulty_dump, backend=backend, compat=compat)
+        faulty = audit(faulty_dump, backend=backend, compat=compat, max_findings=0)
         outcomes = score(faults_from_dump(faulty_dump), faulty)
     rows = {}
     for outcome in outcomes:

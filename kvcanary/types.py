@@ -248,7 +248,7 @@ class ViolationLog:
     @property
     def total(self) -> int:
         """Violations recorded since the last clear, dropped ones included."""
-        return int(_host(self.write_index)[0])
+        return int(to_host(self.write_index)[0])
 
     @property
     def valid_rows(self) -> int:
@@ -272,7 +272,7 @@ class ViolationLog:
 
     def rows(self) -> np.ndarray:
         """The valid rows as a host ``int64[valid_rows, 8]`` copy, in ring order."""
-        return np.array(_host(self.ring[: self.valid_rows]), dtype=np.int64, copy=True)
+        return np.array(to_host(self.ring[: self.valid_rows]), dtype=np.int64, copy=True)
 
     def violations(self) -> list:
         from .violations import Violation
@@ -280,7 +280,8 @@ class ViolationLog:
         return [Violation.from_row(row) for row in self.rows()]
 
 
-def _host(array) -> np.ndarray:
+def to_host(array) -> np.ndarray:
+    """A numpy view of a numpy array, a host copy of a cupy one."""
     return array.get() if A.is_cupy_array(array) else np.asarray(array)
 
 

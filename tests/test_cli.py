@@ -259,5 +259,6 @@ def test_json_mode_reports_a_bad_dump_as_a_record(tmp_path):
     lines = result.output.splitlines()
     assert any(line.startswith("kvcanary: error: ") and "gone.npz" in line for line in lines)
     records = [json.loads(line) for line in lines if line.startswith("{")]
-    assert [r["record"] for r in records] == ["config", "summary", "error"]
-    assert records[-1]["dump"].endswith("gone.npz")
+    assert [r["record"] for r in records] == ["config", "summary", "error", "total"]
+    assert records[2]["dump"].endswith("gone.npz")
+    assert (records[3]["dumps"], records[3]["clean"], records[3]["errors"]) == (2, 1, 1)
