@@ -47,6 +47,8 @@ from .consts import (
 from .hashing import splitmix64_inplace, splitmix64_mix3
 from .types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
 
+# Seeds are recorded in int64 dump keys (synth_config) and feed numpy's SeedSequence.
+MAX_SEED = (1 << 63) - 1
 FAULT_KINDS = ("token", "position", "prev-hash", "real-kv-byte", "alias", "swap",
                "stale-reuse", "slot-zero", "lost-write")
 FAULT_DESCRIPTIONS = {
@@ -118,6 +120,7 @@ class SynthConfig:
         need(self.mode in MODES, f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         need(self.chunk_size >= 1, f"--chunk-size must be at least 1, got {self.chunk_size}")
         need(self.verify_every >= 0, f"--verify-every must be >= 0, got {self.verify_every}")
+        need(0 <= self.seed <= MAX_SEED, f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
         for name in ("prompt_len", "output_len", "shared_prefix_len"):
             low, high = getattr(self, name)
             need(1 <= low <= high, f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got "
@@ -493,8 +496,9 @@ class Synthesis:
             if not self.running:
                 raise SynthError("internal: nothing is running and nothing can be admitted")
             self._step()
-            if progress:
-                progress(self.admitted, c.requests)
+            if progress:   # the run ends when every request is admitted and prefilled
+                progress(self.admitted - sum(r.seq_len < r.prompt_len for r in self.running),
+                         c.requests)
             if self.admitted >= c.requests and all(r.seq_len >= r.prompt_len for r in self.running):
                 break
         self.stats.elapsed_s = time.perf_counter() - started
@@ -817,8 +821,17 @@ class Synthesis:
         return self._fault("lost-write", b, p, slot, note=note)
 
 
-def parse_inject(specs) -> list:
-    """``["token", "alias:3"]`` -> ``[("token", 1), ("alias", 3)]``; ``all`` means every kind."""
+def inapplicable_kinds(config: "SynthConfig") -> dict:
+    """Fault kinds that cannot be injected into a workload of ``config``, with the reason."""
+    if config.sources == 0:
+        return {"real-kv-byte": "no real-KV sources (--sources 0)"}
+    return {}
+
+
+def parse_inject(specs, config: "SynthConfig | None" = None) -> list:
+    """``["token", "alias:3"]`` -> ``[("token", 1), ("alias", 3)]``; ``all`` means every
+    kind that applies to ``config`` (see :func:`inapplicable_kinds`)."""
+    skipped = inapplicable_kinds(config) if config is not None else {}
     result = []
     for spec in specs:
         kind, _, count = spec.partition(":")
@@ -827,7 +840,7 @@ def parse_inject(specs) -> list:
             number = int(count) if count else 1
         except ValueError:
             raise SynthError(f"--inject {spec}: COUNT must be an integer") from None
-        kinds = FAULT_KINDS if kind == "all" else (kind,)
+        kinds = [k for k in FAULT_KINDS if k not in skipped] if kind == "all" else (kind,)
         for name in kinds:
             if name not in FAULT_KINDS:
                 raise SynthError(f"--inject: unknown fault kind {name!r} (one of "
