@@ -1,6 +1,6 @@
 """Dump format v1: one canary buffer and the tables needed to verify it.
 
-Three containers hold the same keys (DESIGN.md, "Dump format v1"):
+Three containers hold the same keys (docs/dump-format.md):
 
 * ``.npz``            a numpy zip archive (``numpy.savez``),
 * a directory         one ``KEY.npy`` file per key, memory-mapped on load,

@@ -1,5 +1,5 @@
 """The data types of the public API: real-KV sources, plans, the violation log and the
-launch context. Field names, dtypes and shapes are upstream's (spec §2.8, §3.1, §4.1).
+launch context. Field names, dtypes and shapes are upstream's (docs/format.md §6).
 
 Construction only brings arrays in (DLPack for foreign arrays); the checks run at launch,
 where upstream runs them, through the ``validate`` methods."""
@@ -287,7 +287,7 @@ def to_host(array) -> np.ndarray:
 
 @dataclass(eq=False)
 class CanaryContext:
-    """Everything a write or verify launch needs besides its plan (spec §2.8)."""
+    """Everything a write or verify launch needs besides its plan (docs/format.md §6)."""
 
     canary_buf: object
     kernel_kind: int

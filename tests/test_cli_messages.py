@@ -5,6 +5,7 @@ synth's OUT rules, what demo shows and keeps, progress that ends at 100% exactly
 from __future__ import annotations
 
 import io
+import re
 import os
 import subprocess
 import sys
@@ -134,3 +135,14 @@ def test_synth_progress_reaches_the_total_exactly_when_the_run_ends():
     assert calls[-1] == (12, 12)
     assert all(done < total for done, total in calls[:-1])
     assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+
+
+def test_commands_use_only_public_library_names_and_named_exit_codes():
+    from pathlib import Path
+
+    cli = Path(__file__).resolve().parent.parent / "cli"
+    for source in sorted(cli.glob("*.py")):
+        text = source.read_text(encoding="utf-8")
+        assert not re.search(r"sys\.exit\(\d", text), source.name
+        assert not re.search(r"from kvcanary[\w.]* import[^\n]*\b_\w", text), source.name
+        assert not re.search(r"\b(dump|audit|synth|campaign|demo|smoke)\._\w", text), source.name

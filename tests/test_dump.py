@@ -325,3 +325,25 @@ def test_directory_dump_replaces_an_earlier_dump_only(tmp_path):
     with pytest.raises(DumpError, match="not a kvcanary dump"):
         save(str(other), **minimal())
     assert (other / "mine.npy").exists()
+
+
+def test_save_and_load_say_what_they_take_and_refuse():
+    import kvcanary.dump
+
+    for function, words in ((kvcanary.dump.save, ["__dlpack__", "cupy", "Refuses", "DumpError",
+                                                 "widened", "docs/dump-format.md"]),
+                            (kvcanary.dump.load, ["Refuses", "DumpError", "not a kvcanary dump",
+                                                 "Never writes"])):
+        for word in words:
+            assert word in function.__doc__, (function.__name__, word)
+
+
+def test_npy_format_3_is_refused_by_name(tmp_path):
+    """Only numpy.lib.format's public header readers are used: 1.0 and 2.0."""
+    from numpy.lib import format as npy_format
+
+    directory = tmp_path / "d"
+    save(str(directory), **minimal())
+    with open(directory / "seq_lens.npy", "wb") as handle:
+        npy_format.write_array(handle, np.array([2], np.int64), version=(3, 0))
+    _expect(str(directory), "key seq_lens", ".npy format version 3.0 is not supported")
