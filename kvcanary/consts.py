@@ -66,7 +66,7 @@ class FailReason(enum.IntFlag):
     WRITE_TOKEN_MISMATCH = 1 << 3
     WRITE_POSITION_MISMATCH = 1 << 4
     VERIFY_TOKEN_MISMATCH = 1 << 5
-    # kvcanary extensions (not upstream): see DESIGN.md.
+    # kvcanary extensions (not upstream): see docs/extensions.md.
     SLOT_OUT_OF_RANGE = 1 << 6
     SLOT_ZERO_IN_PREFIX = 1 << 7
 
