@@ -164,9 +164,30 @@ class WritePlan:
     write_seed_slot_indices: object
     write_num_valid_reqs: object
 
+    # Kernel working memory, allocated with the plan so that no launch allocates (a launch
+    # captured in a CUDA graph must not free memory the pool hands out again): the plan
+    # kernels' per-row verify offsets, and each request's seed link and position, read by
+    # the write before anything of the launch is stored. Not part of the plan's contents.
+    SCRATCH = ("plan_offsets_scratch", "seed_links_scratch", "seed_positions_scratch")
+
     def __post_init__(self):
         for name in ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs"):
             setattr(self, name, A.as_array(getattr(self, name), f"plan.{name}"))
+        self._allocate_scratch()
+
+    def _allocate_scratch(self) -> None:
+        seeds = self.write_seed_slot_indices
+        if seeds is None or seeds.ndim != 1:
+            return  # validate() names the problem
+        capacity = int(seeds.shape[0])
+        for name, length in zip(self.SCRATCH, (capacity + 1, capacity, capacity)):
+            setattr(self, name, _zeros_like(seeds, length))
+
+    def _scratch_fits(self) -> bool:
+        seeds = self.write_seed_slot_indices
+        scratch = getattr(self, self.SCRATCH[-1], None)
+        return (scratch is not None and scratch.shape[0] == seeds.shape[0]
+                and type(scratch) is type(seeds) and _device_of(scratch) == _device_of(seeds))
 
     @classmethod
     def allocate(cls, write_req_capacity: int, xp=np) -> "WritePlan":
@@ -202,6 +223,8 @@ class WritePlan:
                 "kv-canary: write_offsets_len must equal write_req_capacity + 1, got "
                 f"{self.write_offsets.shape[0]} and {capacity + 1}"
             )
+        if not self._scratch_fits():  # the arrays were replaced after construction
+            self._allocate_scratch()
 
 
 @dataclass(eq=False)
@@ -417,6 +440,20 @@ class CanaryContext:
                     f"({source.tensor.shape[0]} rows x page_size {source.page_size}) but "
                     f"canary_buf has {self.num_slots}; every canary slot needs its real KV bytes"
                 )
+
+
+def _zeros_like(array, length: int):
+    """int64 zeros of the array's library, on the array's device."""
+    if A.is_cupy_array(array):
+        import cupy
+
+        with array.device:
+            return cupy.zeros(length, dtype=cupy.int64)
+    return np.zeros(length, dtype=np.int64)
+
+
+def _device_of(array):
+    return array.device.id if A.is_cupy_array(array) else None
 
 
 def _namespace(array):
