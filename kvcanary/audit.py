@@ -65,6 +65,7 @@ CHECK_WORDS = {
     FailReason.VERIFY_TOKEN_MISMATCH: "expected token",
     FailReason.SLOT_OUT_OF_RANGE: "slot inside the canary buffer",
     FailReason.SLOT_ZERO_IN_PREFIX: "live entry not on padding slot 0",
+    FailReason.WRITE_SLOT_CONFLICT: "one write per slot per launch",
 }
 
 
