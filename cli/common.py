@@ -65,9 +65,9 @@ class Progress:
             return
         self.last = now
         percent = 100.0 * done / total if total else 100.0
+        self.drawn = True   # first: close() must end the line even if an interrupt cuts the write
         self.stream.write(f"\r{self.label}: {done}/{total} ({percent:.0f}%)")
         self.stream.flush()
-        self.drawn = True
 
     def close(self) -> None:
         if self.enabled and self.drawn:
