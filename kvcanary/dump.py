@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .arrays import as_array
 from .atomic import replacing
 from .consts import LaunchTag, RealKvHashMode
 
@@ -111,19 +112,12 @@ def _host_array(value, key: str) -> np.ndarray:
         return np.asarray(value)
     if type(value).__module__.split(".")[0] == "cupy":
         return value.get()
-    if hasattr(value, "__dlpack__"):
-        try:
-            return np.from_dlpack(value)
-        except Exception:
-            pass  # device memory or a dtype numpy lacks: try the other routes
-        if hasattr(value, "__dlpack_device__") and int(value.__dlpack_device__()[0]) in (2, 13):
-            try:
-                import cupy
-
-                return cupy.from_dlpack(value).get()
-            except Exception as exc:
-                raise DumpError(f"key {key}: cannot copy a device array to the host ({exc}); "
-                                "move it to host memory first") from None
+    if hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__"):
+        try:  # zero-copy; KV of a type numpy lacks (bf16, fp8) is kept as its bytes
+            array = as_array(value, key, untyped_as_bytes=True)
+        except ValueError as exc:
+            raise DumpError(f"key {key}: {str(exc).removeprefix('kv-canary: ')}") from None
+        return array if isinstance(array, np.ndarray) else array.get()
     if hasattr(value, "__array__"):
         try:
             return np.asarray(value)
@@ -615,25 +609,19 @@ def _load_real_kv(c: _Checker, dump: Dump) -> None:
         tensor = c.values[key]
         if tensor.dtype.kind == "O":
             c.fail(key, "object arrays are refused")
-        if tensor.ndim != 2:
-            c.fail(key, f"must be 2-D (rows read as bytes), got shape {tuple(tensor.shape)}")
-        if tensor.dtype != np.uint8:
-            if not tensor.flags.c_contiguous:
-                tensor = np.ascontiguousarray(tensor)
-            tensor = tensor.view(np.uint8)
-        page_size, bytes_per_token, read_bytes = (int(v) for v in params[index])
+        layout = dict(zip(("page_size", "num_bytes_per_token", "read_bytes"),
+                          (int(v) for v in params[index])))
         try:
-            source = RealKvSource(tensor, page_size=page_size, num_bytes_per_token=bytes_per_token,
-                                  read_bytes=read_bytes)
+            RealKvSource.check_layout(**layout)
         except ValueError as exc:
             c.fail(f"real_kv_params[{index}]", str(exc).removeprefix("kv-canary: "))
-        if dump.real_kv_hash_mode != RealKvHashMode.NONE:
-            if source.row_bytes < page_size * bytes_per_token:
-                c.fail(key, f"rows of {source.row_bytes} bytes are narrower than page_size "
-                            f"{page_size} x {bytes_per_token} bytes per token")
-            if source.num_slots < dump.num_slots:
-                c.fail(key, f"holds {source.num_slots} slots but the canary has {dump.num_slots}")
-        sources.append(tensor)
+        try:  # (a Fortran-order file is read in C order: rows must be runs of bytes)
+            source = RealKvSource(np.ascontiguousarray(tensor), **layout)
+            if dump.real_kv_hash_mode != RealKvHashMode.NONE:
+                source.check_fits(dump.num_slots, key)
+        except ValueError as exc:
+            c.fail(key, str(exc).removeprefix("kv-canary: "))
+        sources.append(source.tensor)
     dump.real_kv = tuple(sources)
 
 
