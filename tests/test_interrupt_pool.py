@@ -64,3 +64,12 @@ def test_pool_workers_ignore_sigint_and_report_a_dead_worker():
     with WorkerPool(2, start_method="spawn") as pool:
         (outcome,) = pool.map(os._exit, [3], failed=lambda task, exc: ("failed", task))
     assert outcome == ("failed", 3)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_pool_reports_a_task_that_raised_in_order(jobs):
+    with WorkerPool(jobs, start_method="spawn") as pool:
+        outcomes = list(pool.map(int, ["1", "x", "3"], failed=lambda task, exc: ("failed", task)))
+    assert outcomes == [1, ("failed", "x"), 3]
+    with pytest.raises(ValueError), WorkerPool(jobs, start_method="spawn") as pool:
+        list(pool.map(int, ["x"]))
