@@ -3,7 +3,6 @@ file (or nothing) and no temporary beside it."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import stat
@@ -11,14 +10,10 @@ import stat
 import numpy as np
 import pytest
 
+from interrupt_harness import snapshot
 from kvcanary.atomic import replacing
 from kvcanary.dump import DumpError, load, save
 from kvcanary.interrupt import Interrupted
-
-
-def snapshot(folder) -> dict:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def arrays(num_slots: int = 8, tag: str = "TAIL_K_FULL") -> dict:

@@ -5,7 +5,6 @@ is half-written (the previous file stays, or none appears)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import signal
@@ -16,7 +15,7 @@ import pytest
 
 import kvcanary as kc
 from builders import linear_req_to_token, make_context, run_plan
-from interrupt_harness import interrupt
+from interrupt_harness import interrupt, snapshot
 from kvcanary.dump import save
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -41,10 +40,10 @@ def tiled_dump(path, requests: int, length: int) -> int:
     return requests * length
 
 
-def snapshot(folder) -> dict:
-    """Every file under ``folder`` with a digest of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+def earlier_dump(path) -> None:
+    """A small dump an interrupted command must leave as it is."""
+    save(path, canary=np.zeros((4, 32), np.uint8), req_to_token=np.zeros((2, 1), np.int32),
+         req_pool_indices=np.zeros(0, np.int64), seq_lens=np.zeros(0, np.int64))
 
 
 def assert_clean_stop(stopped, sig, line_pattern: str) -> str:
@@ -149,9 +148,7 @@ SYNTH = ["--requests", 2000, "--slots", 65536, "--max-running", 64, "--verify-ev
 def test_synth(sig, out, earlier, tmp_path):
     pytest.importorskip("safetensors")
     if earlier:
-        save(tmp_path / out, canary=np.zeros((4, 32), np.uint8),
-             req_to_token=np.zeros((2, 1), np.int32), req_pool_indices=np.zeros(0, np.int64),
-             seq_lens=np.zeros(0, np.int64))
+        earlier_dump(tmp_path / out)
     before = snapshot(tmp_path)
     stopped = interrupt(["synth", out, *SYNTH], sig, r"requests admitted: [1-9]", cwd=tmp_path)
     assert_clean_stop(stopped, sig, rf"kvcanary: synth interrupted by SIG "
@@ -159,3 +156,16 @@ def test_synth(sig, out, earlier, tmp_path):
     assert snapshot(tmp_path) == before
     assert stopped.stdout == ""
 
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_demo(sig, tmp_path):
+    """About a second of work: the signal lands while it synthesises its workload."""
+    (tmp_path / "kept").mkdir()
+    earlier_dump(tmp_path / "kept" / "clean.npz")
+    before = snapshot(tmp_path)
+    stopped = interrupt(["demo", "--backend", "numpy", "--keep", "kept"], sig,
+                        r"requests admitted: [1-9]", cwd=tmp_path)
+    assert_clean_stop(stopped, sig, r"kvcanary: demo interrupted by SIG "
+                                    r"\(synth: requests admitted: \d+/48\)")
+    assert snapshot(tmp_path) == before
