@@ -115,3 +115,14 @@ def test_directory_dump_refuses_a_directory_with_other_files(tmp_path):
     assert load(empty).num_slots == 8
     assert sorted(os.listdir(tmp_path)) == ["empty", "file", "mine"]
 
+
+
+def test_a_link_is_followed_and_a_device_written_in_place(tmp_path):
+    real = tmp_path / "real.txt"
+    real.write_text("earlier")
+    (tmp_path / "link.txt").symlink_to(real)
+    with replacing(tmp_path / "link.txt") as temporary, open(temporary, "w") as handle:
+        handle.write("new")
+    assert (tmp_path / "link.txt").is_symlink() and real.read_text() == "new"
+    with replacing(os.devnull) as temporary:
+        assert temporary == os.devnull

@@ -30,6 +30,18 @@ def test_signals_raise_once_then_restore():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_a_signal_ignored_from_the_start_stays_ignored():
+    """``nohup`` and background jobs of a shell start with SIGINT ignored."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with signals_raise():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def _pid_after(seconds: float) -> int:
     time.sleep(seconds)
     return os.getpid()
