@@ -24,8 +24,7 @@ def replacing(path: str, *, directory: bool = False):
     A symbolic link is followed (the file it names is replaced); a device or a pipe
     (``/dev/stdout``) cannot be replaced and is written in place."""
     path = os.path.realpath(path)
-    if not directory and os.path.exists(path) and not os.path.isfile(path) \
-            and not os.path.isdir(path):
+    if not directory and _special(path):
         yield path
         return
     folder, name = os.path.split(path)
@@ -46,6 +45,11 @@ def replacing(path: str, *, directory: bool = False):
     except BaseException:
         _remove(temporary)
         raise
+
+
+def _special(path: str) -> bool:
+    """A device, a pipe or a socket: something that exists and is no file or directory."""
+    return os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path))
 
 
 def _mode_for(path: str, directory: bool) -> int:
