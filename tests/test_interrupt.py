@@ -150,9 +150,11 @@ def test_synth(sig, out, earlier, tmp_path):
     if earlier:
         earlier_dump(tmp_path / out)
     before = snapshot(tmp_path)
-    stopped = interrupt(["synth", out, *SYNTH], sig, r"requests admitted: [1-9]", cwd=tmp_path)
-    assert_clean_stop(stopped, sig, rf"kvcanary: synth interrupted by SIG "
-                                    rf"\(requests admitted: \d+/2000\); {out} not written")
+    force = ["--force"] if earlier else []
+    stopped = interrupt(["synth", out, *SYNTH, *force], sig,
+                        r"requests admitted and prefilled: [1-9]", cwd=tmp_path)
+    assert_clean_stop(stopped, sig, rf"kvcanary: synth interrupted by SIG \(requests "
+                                    rf"admitted and prefilled: \d+/2000\); {out} not written")
     assert snapshot(tmp_path) == before
     assert stopped.stdout == ""
 
