@@ -78,9 +78,9 @@ class Progress:
             return
         self.last = now
         percent = 100 * done // total if total else 100   # rounded down: 100 means done
+        self.drawn = (done, total)   # before the write: close() ends a line an interrupt cut
         self.stream.write(f"\r{self.label}: {done}/{total} ({percent}%)")
         self.stream.flush()
-        self.drawn = (done, total)
 
     def close(self) -> None:
         if self.enabled and self.drawn:
