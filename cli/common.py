@@ -9,9 +9,10 @@ import time
 
 import click
 
+from .interrupt import progressed
+
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
 ERROR_PREFIX = "kvcanary: error: "
-BACKEND_CHOICES = ("auto", "numpy", "cupy")
 # Seeds feed numpy's SeedSequence and are recorded in int64 dump keys.
 SEED_RANGE = click.IntRange(0, (1 << 63) - 1)
 # Redraw a progress line at most this often (seconds).
@@ -68,6 +69,7 @@ class Progress:
         self.drawn = None
 
     def __call__(self, done: int, total: int) -> None:
+        progressed(self.label, done, total)   # how far an interrupt says it got
         if not self.enabled or (done, total) == self.drawn:
             return
         now = time.monotonic()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import click
-
 import os
 
+import click
+
 from .common import SEED_RANGE, Progress, error_boundary, fail
+from .interrupt import unwritten
 
 
 def _range(text: str, name: str) -> tuple:
@@ -90,7 +91,7 @@ def synth_command(out, mode, backend, inject, force, **values):
     from kvcanary import dump
     from kvcanary.synth import Synthesis, inapplicable_kinds, parse_inject
 
-    with error_boundary():
+    with error_boundary(), unwritten(out):
         config = make_config(mode, backend=backend, **values)
         container = dump.container_for(out)   # fails before the run: bad suffix, no package
         check_out(out, force)

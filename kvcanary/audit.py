@@ -46,7 +46,16 @@ from .consts import (
 from .dump import Dump, load
 from .reference.plan import window_start
 from .reference.ring import violation_rows
-from .types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan, to_host
+from .types import (
+    CanaryContext,
+    RealKvSource,
+    VerifyPlan,
+    ViolationLog,
+    WritePlan,
+    check_source_bound,
+    check_source_count,
+    to_host,
+)
 from .violations import Violation, reason_labels, tag_name
 
 BACKENDS = ("auto", "numpy", "cupy")
@@ -703,14 +712,13 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         raise AuditError(f"ring capacity must be at least 1, got {ring_capacity}")
     if max_findings < 0:
         raise AuditError(f"max_findings must be 0 (keep every finding) or more, got {max_findings}")
-    if max_real_kv_sources < 1:
-        raise AuditError(f"max_real_kv_sources must be at least 1, got {max_real_kv_sources}")
-    if len(d.real_kv) > max_real_kv_sources:
-        raise AuditError(
-            f"{d.path}: key real_kv_params: the dump has {len(d.real_kv)} real-KV sources: "
-            f"at most {max_real_kv_sources} RealKvSource entries supported by the CUDA ABI; "
-            "this bound applies to every backend, numpy included; raise it with "
-            "kvcanary audit --max-real-kv-sources N")
+    bound = check_source_bound(max_real_kv_sources)
+    try:
+        check_source_count(len(d.real_kv), bound,
+                           raise_with="kvcanary audit --max-real-kv-sources N")
+    except ValueError as exc:   # one line: the CLI shows a single line per error
+        text = " ".join(str(exc).removeprefix("kv-canary: ").splitlines())
+        raise AuditError(f"{d.path}: key real_kv_params: {text}") from None
 
     launcher = _Launcher(d, chosen, max_real_kv_sources)
     check_token = d.expected_tokens is not None
