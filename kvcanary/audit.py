@@ -233,13 +233,16 @@ class AuditResult:
 # --------------------------------------------------------------------------- explanation
 
 
-_KNOWN_BITS = sum(int(b) for b in CHECK_WORDS)
+# Plain ints: enum member access is slow enough to show in a flooded audit.
+_CHECK_BITS = tuple((int(bit), text) for bit, text in CHECK_WORDS.items())
+_KNOWN_BITS = sum(bit for bit, _ in _CHECK_BITS)
+_BIT = {member.name: int(member) for member in FailReason}
 
 
 def failed_checks(bits: int) -> tuple:
     words = []
-    for bit, text in CHECK_WORDS.items():
-        if bits & bit.value:
+    for bit, text in _CHECK_BITS:
+        if bits & bit:
             words.append(text)
     unknown = bits & ~_KNOWN_BITS
     if unknown:
@@ -251,7 +254,7 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
                  swa: bool = False) -> str:
     bits, s = int(v.fail_reason_bits), v.slot_idx
     causes = []
-    if bits & FailReason.SLOT_OUT_OF_RANGE.value:
+    if bits & _BIT["SLOT_OUT_OF_RANGE"]:
         if s == PLAN_SLOT_OUT_OF_TABLE:
             causes.append(f"position {position} lies outside req_to_token: seq_len is larger "
                           "than the table, or the request row is not in the table")
@@ -261,23 +264,23 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
         else:
             causes.append(f"the predecessor entry (position {position - 1}) points outside the "
                           f"canary buffer (slot {v.expected_aux})")
-    if bits & FailReason.SLOT_ZERO_IN_PREFIX.value and swa:
+    if bits & _BIT["SLOT_ZERO_IN_PREFIX"] and swa:
         causes.append("a live entry inside the sliding window maps to SWA slot 0: its SWA slot "
                       "was freed (full_to_swa_index_mapping holds 0) or never assigned, or the "
                       "table entry itself is 0")
-    elif bits & FailReason.SLOT_ZERO_IN_PREFIX.value:
+    elif bits & _BIT["SLOT_ZERO_IN_PREFIX"]:
         causes.append("a live prefix entry is mapped to padding slot 0: the slot was never "
                       "assigned, or its mapping was cleared while the request still uses it "
                       "(lost write or premature free)")
-    if bits & FailReason.VERIFY_POSITION_MISMATCH.value:
+    if bits & _BIT["VERIFY_POSITION_MISMATCH"]:
         causes.append(f"slot {s} holds the record of position {v.position}, not {position}: "
                       "the slot was reused by another sequence while this request still maps "
                       "it, or the mapping is shifted or swapped")
-    if bits & FailReason.VERIFY_TOKEN_MISMATCH.value:
+    if bits & _BIT["VERIFY_TOKEN_MISMATCH"]:
         causes.append(f"slot {s} holds token {v.stored_token} where the request's history has "
                       f"{v.expected_token}: another token's KV was written here, or the slot "
                       "was reused by a sequence with different content")
-    if bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH.value and not causes:
+    if bits & _BIT["VERIFY_CHAIN_HASH_MISMATCH"] and not causes:
         if prev_slot < 0:
             causes.append(f"chain head at position {position} does not start from the anchor: "
                           "the slot holds a record written as the continuation of another "
@@ -287,16 +290,16 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
                           f"predecessor slot {prev_slot} (position {position - 1}) was "
                           "overwritten or remapped after this token was written, or this "
                           "record's own prev-hash was altered")
-    elif bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH.value:
+    elif bits & _BIT["VERIFY_CHAIN_HASH_MISMATCH"]:
         causes.append("the chain link to the predecessor fails too")
-    if bits & FailReason.VERIFY_REAL_KV_HASH_MISMATCH.value:
+    if bits & _BIT["VERIFY_REAL_KV_HASH_MISMATCH"]:
         if causes:
             causes.append("and the slot's real KV bytes no longer match its record")
         else:
             causes.append(f"the real KV bytes of slot {s} changed after its canary record was "
                           "written (the record itself is intact): an in-place overwrite, a "
                           "stray write into this slot, or transfer/offload corruption")
-    if bits & (FailReason.WRITE_TOKEN_MISMATCH.value | FailReason.WRITE_POSITION_MISMATCH.value):
+    if bits & (_BIT["WRITE_TOKEN_MISMATCH"] | _BIT["WRITE_POSITION_MISMATCH"]):
         causes.append("the forward consumed different input tokens or positions than expected")
     return "; ".join(causes) or "unknown"
 
