@@ -618,12 +618,16 @@ class _Tally:
                 self.reasons[label] += count
         for value, count in zip(*(a.tolist() for a in _value_counts(rows[:, 0]))):
             self.tags[tag_name(value)] += count
-        attributed = entry_of >= 0
-        self.unattributed += int(rows.shape[0] - np.count_nonzero(attributed))
-        # Row of each failing entry, in entry order (an entry fails at most once).
+        # Row of each failing entry. An entry yields at most one row: a second row naming the
+        # same entry (only a faulty backend emits one) counts as unattributed.
+        claims = np.flatnonzero(entry_of >= 0)[::-1]
         row_of = np.full(launch.size, -1, dtype=np.int64)
-        row_of[entry_of[attributed]] = np.flatnonzero(attributed)
+        row_of[entry_of[claims]] = claims          # reversed: the first claim wins
         failing = np.flatnonzero(row_of >= 0)
+        attributed = np.zeros(rows.shape[0], dtype=bool)
+        attributed[row_of[failing]] = True
+        entry_of = np.where(attributed, entry_of, -1)
+        self.unattributed += int(rows.shape[0] - failing.size)
         if launch.live:
             self._add_requests(failing, launch)
         else:
