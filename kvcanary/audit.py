@@ -46,16 +46,8 @@ from .consts import (
 from .dump import Dump, load
 from .reference.plan import window_start
 from .reference.ring import violation_rows
-from .types import (
-    CanaryContext,
-    RealKvSource,
-    VerifyPlan,
-    ViolationLog,
-    WritePlan,
-    check_source_bound,
-    check_source_count,
-    to_host,
-)
+from .types import (CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan,
+                    check_source_bound, check_source_count, to_host)
 from .violations import Violation, reason_labels, tag_name
 
 BACKENDS = ("auto", "numpy", "cupy")
@@ -73,6 +65,7 @@ CHECK_WORDS = {
     FailReason.VERIFY_TOKEN_MISMATCH: "expected token",
     FailReason.SLOT_OUT_OF_RANGE: "slot inside the canary buffer",
     FailReason.SLOT_ZERO_IN_PREFIX: "live entry not on padding slot 0",
+    FailReason.WRITE_SLOT_CONFLICT: "one write per slot per launch",
 }
 
 

@@ -23,14 +23,8 @@ launch on the CUDA kernels (the library moves the arrays per launch, so keep suc
 
 from .config import MAX_SEED, MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
 from .engine import Synthesis, synthesize
-from .faults import (
-    EXPECTED_BITS,
-    FAULT_DESCRIPTIONS,
-    FAULT_KINDS,
-    Fault,
-    inapplicable_kinds,
-    parse_inject,
-)
+from .faults import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, Fault, inapplicable_kinds,
+                     parse_inject)
 from .scoring import FaultOutcome, fault_note, faults_from_dump, score
 
 __all__ = [

@@ -15,7 +15,7 @@ import numpy as np
 from .. import api
 from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
 from ..types import WritePlan
-from .config import SynthConfig, SynthError
+from .config import SynthError
 
 FAULT_KINDS = ("token", "position", "prev-hash", "real-kv-byte", "alias", "swap",
                "stale-reuse", "slot-zero", "lost-write")
@@ -57,14 +57,14 @@ class Fault:
     note: str = ""
 
 
-def inapplicable_kinds(config: SynthConfig) -> dict:
+def inapplicable_kinds(config) -> dict:
     """Fault kinds that cannot be injected into a workload of ``config``, with the reason."""
     if config.sources == 0:
         return {"real-kv-byte": "no real-KV sources (--sources 0)"}
     return {}
 
 
-def parse_inject(specs, config: SynthConfig | None = None) -> list:
+def parse_inject(specs, config=None) -> list:
     """``["token", "alias:3"]`` -> ``[("token", 1), ("alias", 3)]``; ``all`` means every
     kind that applies to ``config`` (see :func:`inapplicable_kinds`)."""
     skipped = inapplicable_kinds(config) if config is not None else {}
