@@ -50,11 +50,12 @@ def render_text(result, echo) -> None:
     echo(f"audit {r.path}: {r.live_requests} live request(s), {r.num_slots} slots, tag "
          f"{r.launch_tag}, {sources}{window}, {checks}, backend {r.backend}"
          + ("" if not r.compat else ", --compat (kvcanary extensions off)"))
-    for finding in r.findings:
-        echo(finding.violation.log_line())
-        echo(f"  at: {finding.where()}")
-        echo(f"  failed checks: {', '.join(finding.checks) or 'none'}")
-        echo(f"  likely cause: {finding.cause}")
+    if r.findings:   # one write for all findings: a flooded dump prints thousands of lines
+        echo("\n".join(line for finding in r.findings for line in (
+            finding.violation.log_line(),
+            f"  at: {finding.where()}",
+            f"  failed checks: {', '.join(finding.checks) or 'none'}",
+            f"  likely cause: {finding.cause}")))
     if r.findings_cut:
         echo(f"findings: the first {len(r.findings)} of {r.total_violations} are shown; "
              f"{r.findings_omitted} more are counted below (--max-findings 0 shows all)")
@@ -91,8 +92,9 @@ def summary_line(r) -> str:
 
 def render_json(result, echo) -> None:
     echo(json.dumps(result.config_record()))
-    for finding in result.findings:
-        echo(json.dumps({"record": "violation", "dump": result.path, **finding.to_dict()}))
+    if result.findings:
+        echo("\n".join(json.dumps({"record": "violation", "dump": result.path,
+                                   **finding.to_dict()}) for finding in result.findings))
     echo(json.dumps(result.summary_record()))
 
 

@@ -13,7 +13,6 @@ from .interrupt import progressed
 
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
 ERROR_PREFIX = "kvcanary: error: "
-BACKEND_CHOICES = ("auto", "numpy", "cupy")
 # Seeds feed numpy's SeedSequence and are recorded in int64 dump keys.
 SEED_RANGE = click.IntRange(0, (1 << 63) - 1)
 # Redraw a progress line at most this often (seconds).

@@ -8,13 +8,14 @@ import sys
 import click
 
 from kvcanary.audit import BACKENDS
+from kvcanary.synth import MODES
 from kvcanary.violations import reason_labels
 
 from .common import EXIT_CLEAN, EXIT_VIOLATIONS, SEED_RANGE, Progress, error_boundary
 
 
 @click.command("demo")
-@click.option("--mode", type=click.Choice(["none", "partial", "all"]), default="partial",
+@click.option("--mode", type=click.Choice(MODES), default="partial",
               show_default=True, help="Real-KV hash mode of the workload.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--seed", type=SEED_RANGE, default=0, show_default=True)

@@ -6,6 +6,9 @@ import os
 
 import click
 
+from kvcanary.api import BACKENDS as LAUNCH_BACKENDS
+from kvcanary.synth import MODES
+
 from .common import SEED_RANGE, Progress, error_boundary, fail
 from .interrupt import unwritten
 
@@ -73,9 +76,9 @@ def check_out(out: str, force: bool) -> None:
 @click.command("synth")
 @click.argument("out", metavar="OUT")
 @synth_options
-@click.option("--mode", type=click.Choice(["none", "partial", "all"]), default="all",
+@click.option("--mode", type=click.Choice(MODES), default="all",
               show_default=True, help="Real-KV hash mode.")
-@click.option("--backend", type=click.Choice(["numpy", "cupy"]), default="numpy",
+@click.option("--backend", type=click.Choice(LAUNCH_BACKENDS), default="numpy",
               show_default=True,
               help="Backend of every plan/write/verify launch (cupy moves the arrays per "
                    "launch: keep such runs small).")

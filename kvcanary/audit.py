@@ -226,13 +226,16 @@ class AuditResult:
 # --------------------------------------------------------------------------- explanation
 
 
-_KNOWN_BITS = sum(int(b) for b in CHECK_WORDS)
+# Plain ints: enum member access is slow enough to show in a flooded audit.
+_CHECK_BITS = tuple((int(bit), text) for bit, text in CHECK_WORDS.items())
+_KNOWN_BITS = sum(bit for bit, _ in _CHECK_BITS)
+_BIT = {member.name: int(member) for member in FailReason}
 
 
 def failed_checks(bits: int) -> tuple:
     words = []
-    for bit, text in CHECK_WORDS.items():
-        if bits & bit.value:
+    for bit, text in _CHECK_BITS:
+        if bits & bit:
             words.append(text)
     unknown = bits & ~_KNOWN_BITS
     if unknown:
@@ -244,7 +247,7 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
                  swa: bool = False) -> str:
     bits, s = int(v.fail_reason_bits), v.slot_idx
     causes = []
-    if bits & FailReason.SLOT_OUT_OF_RANGE.value:
+    if bits & _BIT["SLOT_OUT_OF_RANGE"]:
         if s == PLAN_SLOT_OUT_OF_TABLE:
             causes.append(f"position {position} lies outside req_to_token: seq_len is larger "
                           "than the table, or the request row is not in the table")
@@ -254,23 +257,23 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
         else:
             causes.append(f"the predecessor entry (position {position - 1}) points outside the "
                           f"canary buffer (slot {v.expected_aux})")
-    if bits & FailReason.SLOT_ZERO_IN_PREFIX.value and swa:
+    if bits & _BIT["SLOT_ZERO_IN_PREFIX"] and swa:
         causes.append("a live entry inside the sliding window maps to SWA slot 0: its SWA slot "
                       "was freed (full_to_swa_index_mapping holds 0) or never assigned, or the "
                       "table entry itself is 0")
-    elif bits & FailReason.SLOT_ZERO_IN_PREFIX.value:
+    elif bits & _BIT["SLOT_ZERO_IN_PREFIX"]:
         causes.append("a live prefix entry is mapped to padding slot 0: the slot was never "
                       "assigned, or its mapping was cleared while the request still uses it "
                       "(lost write or premature free)")
-    if bits & FailReason.VERIFY_POSITION_MISMATCH.value:
+    if bits & _BIT["VERIFY_POSITION_MISMATCH"]:
         causes.append(f"slot {s} holds the record of position {v.position}, not {position}: "
                       "the slot was reused by another sequence while this request still maps "
                       "it, or the mapping is shifted or swapped")
-    if bits & FailReason.VERIFY_TOKEN_MISMATCH.value:
+    if bits & _BIT["VERIFY_TOKEN_MISMATCH"]:
         causes.append(f"slot {s} holds token {v.stored_token} where the request's history has "
                       f"{v.expected_token}: another token's KV was written here, or the slot "
                       "was reused by a sequence with different content")
-    if bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH.value and not causes:
+    if bits & _BIT["VERIFY_CHAIN_HASH_MISMATCH"] and not causes:
         if prev_slot < 0:
             causes.append(f"chain head at position {position} does not start from the anchor: "
                           "the slot holds a record written as the continuation of another "
@@ -280,16 +283,16 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
                           f"predecessor slot {prev_slot} (position {position - 1}) was "
                           "overwritten or remapped after this token was written, or this "
                           "record's own prev-hash was altered")
-    elif bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH.value:
+    elif bits & _BIT["VERIFY_CHAIN_HASH_MISMATCH"]:
         causes.append("the chain link to the predecessor fails too")
-    if bits & FailReason.VERIFY_REAL_KV_HASH_MISMATCH.value:
+    if bits & _BIT["VERIFY_REAL_KV_HASH_MISMATCH"]:
         if causes:
             causes.append("and the slot's real KV bytes no longer match its record")
         else:
             causes.append(f"the real KV bytes of slot {s} changed after its canary record was "
                           "written (the record itself is intact): an in-place overwrite, a "
                           "stray write into this slot, or transfer/offload corruption")
-    if bits & (FailReason.WRITE_TOKEN_MISMATCH.value | FailReason.WRITE_POSITION_MISMATCH.value):
+    if bits & (_BIT["WRITE_TOKEN_MISMATCH"] | _BIT["WRITE_POSITION_MISMATCH"]):
         causes.append("the forward consumed different input tokens or positions than expected")
     return "; ".join(causes) or "unknown"
 
@@ -608,12 +611,16 @@ class _Tally:
                 self.reasons[label] += count
         for value, count in zip(*(a.tolist() for a in _value_counts(rows[:, 0]))):
             self.tags[tag_name(value)] += count
-        attributed = entry_of >= 0
-        self.unattributed += int(rows.shape[0] - np.count_nonzero(attributed))
-        # Row of each failing entry, in entry order (an entry fails at most once).
+        # Row of each failing entry. An entry yields at most one row: a second row naming the
+        # same entry (only a faulty backend emits one) counts as unattributed.
+        claims = np.flatnonzero(entry_of >= 0)[::-1]
         row_of = np.full(launch.size, -1, dtype=np.int64)
-        row_of[entry_of[attributed]] = np.flatnonzero(attributed)
+        row_of[entry_of[claims]] = claims          # reversed: the first claim wins
         failing = np.flatnonzero(row_of >= 0)
+        attributed = np.zeros(rows.shape[0], dtype=bool)
+        attributed[row_of[failing]] = True
+        entry_of = np.where(attributed, entry_of, -1)
+        self.unattributed += int(rows.shape[0] - failing.size)
         if launch.live:
             self._add_requests(failing, launch)
         else:
@@ -709,9 +716,9 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     try:
         check_source_count(len(d.real_kv), bound,
                            raise_with="kvcanary audit --max-real-kv-sources N")
-    except ValueError as exc:
-        raise AuditError(f"{d.path}: key real_kv_params: {str(exc).removeprefix('kv-canary: ')}"
-                         ) from None
+    except ValueError as exc:   # one line: the CLI shows a single line per error
+        text = " ".join(str(exc).removeprefix("kv-canary: ").splitlines())
+        raise AuditError(f"{d.path}: key real_kv_params: {text}") from None
 
     launcher = _Launcher(d, chosen, max_real_kv_sources)
     check_token = d.expected_tokens is not None

@@ -143,7 +143,8 @@ def save(path, **arrays) -> str:
     Refuses, with a :class:`DumpError` naming the key, before anything is written: every
     dump :func:`load` would refuse (the same checker runs on the arrays), object arrays,
     values it cannot bring to the host, non-scalar strings in ``.safetensors``, and a
-    directory that holds other ``.npy`` files."""
+    directory that holds anything but an earlier dump. The dump is written under a temporary
+    name and renamed when complete, so an error or an interrupt leaves no part of it."""
     path = str(path)
     flavour = flavour_of(path)
     values = {VERSION_KEY: np.array(DUMP_VERSION, dtype=np.int64)}

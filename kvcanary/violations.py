@@ -34,15 +34,17 @@ def reason_label(bit: FailReason) -> str:
     return name[: -len("_mismatch")] if name.endswith("_mismatch") else name
 
 
+_LABELS = {int(member): reason_label(member) for member in FailReason}
+
+
 def reason_labels(bits: int) -> list[str]:
     """Labels of the set bits in bit order; unknown bits as ``bit{n}``."""
+    bits = int(bits) & ((1 << 64) - 1)
     labels = []
-    for n in range(64):
-        if bits >> n & 1:
-            try:
-                labels.append(reason_label(FailReason(1 << n)))
-            except ValueError:
-                labels.append(f"bit{n}")
+    while bits:
+        low = bits & -bits
+        labels.append(_LABELS.get(low) or f"bit{low.bit_length() - 1}")
+        bits ^= low
     return labels
 
 

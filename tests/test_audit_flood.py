@@ -142,3 +142,22 @@ def test_several_dumps_end_with_one_total_line(flooded, tmp_path):
     last = result.output.splitlines()[-1]
     assert last == (f"total: 2 dumps: 1 clean, 1 with violations, 0 not audited; "
                     f"{16 + REQUESTS * TOKENS} entries checked, {REQUESTS * TOKENS} violation(s)")
+
+
+def test_a_duplicated_row_is_counted_but_not_attributed_twice(flooded, monkeypatch):
+    """A faulty backend that reports one entry twice: the total counts both rows, the
+    request counts one, the copy is unattributed."""
+    verify = audit_module._verify
+
+    def doubled(launcher, launch):
+        rows = verify(launcher, launch)
+        return np.concatenate([rows, rows[:1]])
+
+    monkeypatch.setattr(audit_module, "_verify", doubled)
+    result = audit(flooded, backend="numpy", max_findings=0, ring_capacity=1 << 20)
+    launches = -(-REQUESTS * TOKENS // audit_module.CHUNK_ENTRIES)
+    assert result.total_violations == REQUESTS * TOKENS + launches
+    assert result.unattributed == launches
+    assert sum(r.violations for r in result.requests) == REQUESTS * TOKENS
+    assert result.counts_by_entry == {"request": REQUESTS * TOKENS, "unattributed": launches}
+    assert sum(f.kind == "unattributed" for f in result.findings) == launches

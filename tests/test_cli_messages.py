@@ -146,3 +146,17 @@ def test_commands_use_only_public_library_names_and_named_exit_codes():
         assert not re.search(r"sys\.exit\(\d", text), source.name
         assert not re.search(r"from kvcanary[\w.]* import[^\n]*\b_\w", text), source.name
         assert not re.search(r"\b(dump|audit|synth|campaign|demo|smoke)\._\w", text), source.name
+
+
+def test_too_many_sources_says_the_bound_is_everywhere_and_how_to_raise_it(tmp_path):
+    sources = {f"real_kv_{i}": np.zeros((8, 16), np.uint8) for i in range(5)}
+    path = tmp_path / "five.npz"
+    np.savez(path, kvcanary_dump_version=np.array(1), canary=np.zeros((8, 32), np.uint8),
+             req_to_token=np.zeros((2, 4), np.int32), req_pool_indices=np.array([1]),
+             seq_lens=np.array([2]), real_kv_params=np.array([[1, 16, 16]] * 5),
+             real_kv_hash_mode=np.array("all"), **sources)
+    one_error_line(invoke("audit", path, "--backend", "numpy"), "five.npz: key real_kv_params",
+                   "at most 4 RealKvSource entries", "every backend, numpy included",
+                   "kvcanary audit --max-real-kv-sources N")
+    raised = invoke("audit", path, "--backend", "numpy", "--max-real-kv-sources", "5")
+    assert raised.exit_code == 1 and "summary " in raised.output   # audited (zeroed records)

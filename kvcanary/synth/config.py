@@ -9,6 +9,8 @@ import numpy as np
 from ..consts import RealKvHashMode
 
 MODES = ("none", "partial", "all")
+# Seeds are recorded in int64 dump keys (synth_config) and feed numpy's SeedSequence.
+MAX_SEED = (1 << 63) - 1
 # Real-KV source ``i`` holds dtype ``SOURCE_DTYPES[i % 4]``, so runs cover several element sizes.
 SOURCE_DTYPES = (np.uint8, np.float16, np.int32, np.float32)
 # Seeds are recorded in int64 dump keys (synth_config) and feed numpy's SeedSequence.
