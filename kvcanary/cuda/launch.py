@@ -16,8 +16,10 @@ import re
 import numpy as np
 
 from .. import arrays as A
-from ..consts import MAX_REAL_KV_SOURCES_LIMIT, RealKvHashMode
+from ..consts import RealKvHashMode
 from ..kernel_source import kernel_dir
+from ..types import check_source_bound as check_bound
+from ..types import check_source_count
 
 # Kernel source file and entry points of each launch.
 KERNEL_FILES = {
@@ -38,16 +40,6 @@ WRITE_THREADS_PER_BLOCK = 128
 
 # ---------------------------------------------------------------------------------------
 # Compile settings (shared with the NVRTC compile check and the CPU harness)
-
-
-def check_bound(max_real_kv_sources: int) -> int:
-    bound = int(max_real_kv_sources)
-    if not 1 <= bound <= MAX_REAL_KV_SOURCES_LIMIT:
-        raise ValueError(
-            f"kv-canary: max_real_kv_sources must be in [1, {MAX_REAL_KV_SOURCES_LIMIT}], "
-            f"got {max_real_kv_sources}"
-        )
-    return bound
 
 
 def compile_defines(kernel: str, max_real_kv_sources: int | None,
@@ -127,11 +119,7 @@ def pack_sources(context) -> np.ndarray:
     no sources) num_sources is 0 and mode NONE, so no descriptor is ever dereferenced.
     Packed once per distinct set of descriptors: the launch path runs every step."""
     sources = context.real_kv_sources
-    if len(sources) > context.max_real_kv_sources:
-        raise ValueError(
-            f"kv-canary: at most {context.max_real_kv_sources} RealKvSource entries supported "
-            f"by the CUDA ABI, got {len(sources)}"
-        )
+    check_source_count(len(sources), context.max_real_kv_sources)
     if not context.hashing:
         return _packed_sources(context.max_real_kv_sources, int(RealKvHashMode.NONE), ())
     descriptors = tuple((array_pointer(s.tensor), s.row_stride_bytes, s.page_size,
