@@ -40,7 +40,8 @@ class Engine:
         self.rows = xp.arange(1, REQUESTS + 1, dtype=xp.int64)
         self.context = kc.CanaryContext(
             xp.zeros(((REQUESTS + 1) * LENGTH, 32), dtype=xp.uint8),
-            kernel_kind=kc.LaunchTag.HEAD_K_FULL, violation_log=kc.ViolationLog.allocate(256, xp=xp),
+            kernel_kind=kc.LaunchTag.HEAD_K_FULL,
+            violation_log=kc.ViolationLog.allocate(256, xp=xp),
             slot_run_counter=xp.zeros(1, dtype=xp.int64),
             kernel_run_counter=xp.zeros(1, dtype=xp.int64))
         self.verify_plan = kc.VerifyPlan.allocate(REQUESTS * (PREFILL + STEPS), xp=xp)
