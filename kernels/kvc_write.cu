@@ -1,4 +1,4 @@
-// Write (spec §3): stamp each new token's record and advance its request's chain.
+// Write (docs/format.md §8): stamp each new token's record and advance its request's chain.
 // Same rules as kvcanary/reference/write.py, one thread per request (the chain is serial):
 //   seed link      H0 without a seed (seed < 0), else link(seed record)
 //   skip           out_cache_loc < 0: no store, no chain advance, not counted

@@ -1,5 +1,5 @@
 """The data types of the public API: real-KV sources, plans, the violation log and the
-launch context. Field names, dtypes and shapes are upstream's (spec §2.8, §3.1, §4.1).
+launch context. Field names, dtypes and shapes are upstream's (docs/format.md §6).
 
 Construction brings arrays in (DLPack for foreign arrays) and checks what upstream checks
 there (a real-KV source's layout); the other checks run at launch, where upstream runs them,
@@ -44,8 +44,9 @@ def check_source_count(count: int, bound: int,
         raise ValueError(
             f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "
             f"got {count}\n"
-            f"(pass {raise_with} with N >= {count}, at most {MAX_REAL_KV_SOURCES_LIMIT}, to "
-            "compile a kernel variant with more sources; no rebuild is needed)"
+            f"(the bound applies to every backend, numpy included; pass {raise_with} with "
+            f"N >= {count}, at most {MAX_REAL_KV_SOURCES_LIMIT}, to compile a kernel variant "
+            "with more sources; no rebuild is needed)"
         )
 
 
@@ -305,7 +306,7 @@ class ViolationLog:
     @property
     def total(self) -> int:
         """Violations recorded since the last clear, dropped ones included."""
-        return int(_host(self.write_index)[0])
+        return int(to_host(self.write_index)[0])
 
     @property
     def valid_rows(self) -> int:
@@ -329,7 +330,7 @@ class ViolationLog:
 
     def rows(self) -> np.ndarray:
         """The valid rows as a host ``int64[valid_rows, 8]`` copy, in ring order."""
-        return np.array(_host(self.ring[: self.valid_rows]), dtype=np.int64, copy=True)
+        return np.array(to_host(self.ring[: self.valid_rows]), dtype=np.int64, copy=True)
 
     def violations(self) -> list:
         from .violations import Violation
@@ -337,12 +338,13 @@ class ViolationLog:
         return [Violation.from_row(row) for row in self.rows()]
 
 
-def _host(array) -> np.ndarray:
+def to_host(array) -> np.ndarray:
+    """A numpy view of a numpy array, a host copy of a cupy one."""
     return array.get() if A.is_cupy_array(array) else np.asarray(array)
 
 
 class CanaryContext:
-    """Everything a write or verify launch needs besides its plan (spec §2.8)."""
+    """Everything a write or verify launch needs besides its plan (docs/format.md §6)."""
 
     def __init__(
         self,

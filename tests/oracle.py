@@ -1,6 +1,6 @@
 """An independent, sequential pure-Python model of plan, write and verify.
 
-Written from the spec's algorithms (§3.3/§3.5, §4.2/§4.4, §5.2) and docs/extensions.md,
+Written from the algorithms of docs/format.md (§7, §8, §9) and docs/extensions.md,
 with Python ints and explicit loops, sharing no code with ``kvcanary`` (not even its
 splitmix64). Tests compare the vectorised reference (and later the kernels) against it.
 """

@@ -1,4 +1,4 @@
-"""kernels/kvc_consts.cuh and kvcanary/consts.py hold the same constants (spec §2.2)."""
+"""kernels/kvc_consts.cuh and kvcanary/consts.py hold the same constants (docs/format.md §1)."""
 
 import enum
 import pathlib

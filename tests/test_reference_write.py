@@ -1,4 +1,4 @@
-"""Upstream's hand scenarios for write (spec §8.3), through kc.write on numpy arrays."""
+"""Upstream's hand scenarios for write (docs/format.md §8), through kc.write on numpy arrays."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Write (spec §3.5): stamp each new token's record and advance its request's chain.
+"""Write (docs/format.md §8): stamp each new token's record and advance its request's chain.
 
 Per request, the rules:
   seed link      H0 without a seed (seed < 0), else link(seed record)
