@@ -131,6 +131,7 @@ def test_launches_follow_kv_writes_on_torch_stream(torch_cupy):
     device.context.violation_log.clear()
     canary = torch.from_dlpack(device.context.canary_buf)  # the same memory
     written = torch.from_numpy(reference.context.canary_buf).cuda()
+    torch.cuda.synchronize()  # everything before this point is done; only the order below counts
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(100_000_000)  # holds the stream, so a verify elsewhere runs first
