@@ -59,14 +59,25 @@ class RealKvSource:
     the producer's buffer stays alive while the source does); the row stride is the array's
     own, so rows may be wider than the slots they pack. Slot ``s`` reads
     ``(s // page_size) * row_stride + (s % page_size) * num_bytes_per_token`` onwards.
+
+    A copy (``copy.deepcopy``, pickle) is a source over a copy of the producer's tensor, so an
+    object graph copied whole keeps the producer's tensor and its source one buffer.
     """
 
     def __init__(self, tensor, *, page_size: int, num_bytes_per_token: int, read_bytes: int):
         self.check_layout(page_size, num_bytes_per_token, read_bytes)
         self.tensor = _byte_rows(tensor, "RealKvSource.tensor")
+        self._producer_tensor = tensor
         self.page_size = int(page_size)
         self.num_bytes_per_token = int(num_bytes_per_token)
         self.read_bytes = int(read_bytes)
+
+    def __reduce__(self):
+        # Copying the byte view alone would give it memory of its own (numpy copies a view as
+        # a new array), so bytes written later through the producer's copy would not be the
+        # bytes hashed: rebuild the view over the producer's copy instead.
+        return (_source_over, (self._producer_tensor, self.page_size, self.num_bytes_per_token,
+                               self.read_bytes))
 
     @staticmethod
     def check_layout(page_size: int, num_bytes_per_token: int, read_bytes: int) -> None:
@@ -120,6 +131,12 @@ class RealKvSource:
                 f"({self.tensor.shape[0]} rows x page_size {self.page_size}) but "
                 f"canary_buf has {num_slots}; every canary slot needs its real KV bytes"
             )
+
+
+def _source_over(tensor, page_size: int, num_bytes_per_token: int,
+                 read_bytes: int) -> RealKvSource:
+    return RealKvSource(tensor, page_size=page_size, num_bytes_per_token=num_bytes_per_token,
+                        read_bytes=read_bytes)
 
 
 def _byte_rows(tensor, name: str):
