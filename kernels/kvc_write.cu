@@ -56,6 +56,18 @@ KVC_DEVICE bool span_inside(const WriteBatch& b, int64_t start, int64_t end) {
   return start >= 0 && end <= b.num_tokens;
 }
 
+// Calls write(i, slot) for each entry of request r whose slot lies inside the buffer, when
+// the request writes at all (a range leaving the token arrays writes nothing).
+template <class Write>
+KVC_DEVICE void for_each_write(const WriteBatch& b, int64_t num_slots, int64_t r, Write write) {
+  int64_t start, end;
+  if (!request_span(b, r, &start, &end) || !span_inside(b, start, end)) return;
+  for (int64_t i = start; i < end; ++i) {
+    const int64_t slot = b.out_cache_loc[i];
+    if (slot_in_range(slot, num_slots)) write(i, slot);
+  }
+}
+
 // Unique per write and increasing in (request, entry) order: the largest one keeps a slot.
 KVC_DEVICE unsigned long long write_id(const WriteBatch& b, int64_t r, int64_t i) {
   return static_cast<unsigned long long>(r) * static_cast<unsigned long long>(b.num_tokens) +
@@ -166,10 +178,9 @@ extern "C" __global__ void kvc_write_seeds(
     seed_links[r] = static_cast<int64_t>(link(s));
     seed_positions[r] = s.position;
   }
-  for (int64_t i = start; i < end; ++i) {
-    const int64_t slot = out_cache_loc[i];
-    if (slot_in_range(slot, num_slots)) *claim_word(canary_buf, slot_stride_bytes, slot) = 0;
-  }
+  for_each_write(b, num_slots, r, [&](int64_t, int64_t slot) {
+    *claim_word(canary_buf, slot_stride_bytes, slot) = 0;
+  });
 }
 
 extern "C" __global__ void kvc_write_claims(
@@ -180,14 +191,10 @@ extern "C" __global__ void kvc_write_claims(
   const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
                      num_tokens};
   const int64_t r = global_thread();
-  int64_t start, end;
-  if (!request_span(b, r, &start, &end) || !span_inside(b, start, end)) return;
-  for (int64_t i = start; i < end; ++i) {
-    const int64_t slot = out_cache_loc[i];
-    if (!slot_in_range(slot, num_slots)) continue;
-    atomicMax(reinterpret_cast<unsigned long long*>(claim_word(canary_buf, slot_stride_bytes, slot)),
-              write_id(b, r, i));
-  }
+  for_each_write(b, num_slots, r, [&](int64_t i, int64_t slot) {
+    int64_t* claim = claim_word(canary_buf, slot_stride_bytes, slot);
+    atomicMax(reinterpret_cast<unsigned long long*>(claim), write_id(b, r, i));
+  });
 }
 
 extern "C" __global__ void kvc_write(
@@ -233,14 +240,8 @@ extern "C" __global__ void kvc_write_real_kv(
   using namespace kvc;
   const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
                      num_tokens};
-  const int64_t r = global_thread();
-  int64_t start, end;
-  if (!request_span(b, r, &start, &end) || !span_inside(b, start, end)) return;
-  for (int64_t i = start; i < end; ++i) {
-    const int64_t slot = out_cache_loc[i];
-    if (slot_in_range(slot, num_slots)) {
-      *claim_word(canary_buf, slot_stride_bytes, slot) =
-          static_cast<int64_t>(real_kv_hash(sources, slot));
-    }
-  }
+  for_each_write(b, num_slots, global_thread(), [&](int64_t, int64_t slot) {
+    *claim_word(canary_buf, slot_stride_bytes, slot) =
+        static_cast<int64_t>(real_kv_hash(sources, slot));
+  });
 }

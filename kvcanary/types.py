@@ -458,7 +458,7 @@ def _zeros_like(array, length: int):
 
 
 def _device_of(array):
-    return array.device.id if A.is_cupy_array(array) else None
+    return array.data.device_id if A.is_cupy_array(array) else None
 
 
 def _namespace(array):

@@ -25,8 +25,8 @@ import sys
 
 import numpy as np
 
-from kvcanary import CanaryContext, RealKvHashMode, RealKvSource, VerifyPlan, ViolationLog, WritePlan
-from kvcanary.cuda import launch as L
+from kvcanary import (CanaryContext, RealKvHashMode, RealKvSource, VerifyPlan, ViolationLog,
+                      WritePlan)
 
 # A plausible device address space: every array gets its own 256-byte aligned range.
 _FAKE_BASE = 0x7F00_0000_0000

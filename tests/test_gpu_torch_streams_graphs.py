@@ -40,7 +40,8 @@ class Engine:
         self.rows = xp.arange(1, REQUESTS + 1, dtype=xp.int64)
         self.context = kc.CanaryContext(
             xp.zeros(((REQUESTS + 1) * LENGTH, 32), dtype=xp.uint8),
-            kernel_kind=kc.LaunchTag.HEAD_K_FULL, violation_log=kc.ViolationLog.allocate(256, xp=xp),
+            kernel_kind=kc.LaunchTag.HEAD_K_FULL,
+            violation_log=kc.ViolationLog.allocate(256, xp=xp),
             slot_run_counter=xp.zeros(1, dtype=xp.int64),
             kernel_run_counter=xp.zeros(1, dtype=xp.int64))
         self.verify_plan = kc.VerifyPlan.allocate(REQUESTS * (PREFILL + STEPS), xp=xp)
@@ -130,6 +131,7 @@ def test_launches_follow_kv_writes_on_torch_stream(torch_cupy):
     device.context.violation_log.clear()
     canary = torch.from_dlpack(device.context.canary_buf)  # the same memory
     written = torch.from_numpy(reference.context.canary_buf).cuda()
+    torch.cuda.synchronize()  # everything before this point is done; only the order below counts
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(100_000_000)  # holds the stream, so a verify elsewhere runs first

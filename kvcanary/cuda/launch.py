@@ -113,26 +113,29 @@ def array_pointer(array) -> int:
 
 
 def pack_sources(context) -> np.ndarray:
-    """The by-value descriptor struct of a launch, as a 0-d structured array: CuPy passes a
-    one-element numpy array by value on every version (a ``numpy.void`` scalar is refused
-    by 13.x and by 14.0 above 64 bytes). Without hashing (mode NONE or no sources)
-    num_sources is 0 and mode NONE, so no descriptor is ever dereferenced."""
-    dtype = sources_dtype(context.max_real_kv_sources)
-    packed = np.zeros((), dtype=dtype)
+    """The by-value descriptor struct of a launch, as a read-only 0-d structured array:
+    CuPy passes a one-element numpy array by value on every version (a ``numpy.void``
+    scalar is refused by 13.x and by 14.0 above 64 bytes). Without hashing (mode NONE or
+    no sources) num_sources is 0 and mode NONE, so no descriptor is ever dereferenced.
+    Packed once per distinct set of descriptors: the launch path runs every step."""
     sources = context.real_kv_sources
     check_source_count(len(sources), context.max_real_kv_sources)
-    if context.hashing:
-        for index, source in enumerate(sources):
-            entry = packed["src"][index]
-            entry["ptr"] = array_pointer(source.tensor)
-            entry["row_stride_bytes"] = source.row_stride_bytes
-            entry["page_size"] = source.page_size
-            entry["num_bytes_per_token"] = source.num_bytes_per_token
-            entry["read_bytes"] = source.read_bytes
-        packed["num_sources"] = len(sources)
-        packed["mode"] = int(context.real_kv_hash_mode)
-    else:
-        packed["mode"] = int(RealKvHashMode.NONE)
+    if not context.hashing:
+        return _packed_sources(context.max_real_kv_sources, int(RealKvHashMode.NONE), ())
+    descriptors = tuple((array_pointer(s.tensor), s.row_stride_bytes, s.page_size,
+                         s.num_bytes_per_token, s.read_bytes) for s in sources)
+    return _packed_sources(context.max_real_kv_sources, int(context.real_kv_hash_mode),
+                           descriptors)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_sources(bound: int, mode: int, descriptors: tuple) -> np.ndarray:
+    packed = np.zeros((), dtype=sources_dtype(bound))
+    for index, descriptor in enumerate(descriptors):
+        packed["src"][index] = descriptor
+    packed["num_sources"] = len(descriptors)
+    packed["mode"] = mode
+    packed.flags.writeable = False
     return packed
 
 
@@ -171,12 +174,15 @@ def write_geometry(write_req_capacity: int,
 _NULL = np.uint64(0)
 
 
-def _i64(value) -> np.int64:
-    return np.int64(int(value))
+# numpy scalars are immutable, so the few distinct sizes a launch passes are made once.
+@functools.lru_cache(maxsize=4096)
+def _i64(value: int) -> np.int64:
+    return np.int64(value)
 
 
-def _i32(value) -> np.int32:
-    return np.int32(int(value))
+@functools.lru_cache(maxsize=64)
+def _i32(value: int) -> np.int32:
+    return np.int32(value)
 
 
 def _or_null(array):
@@ -389,32 +395,33 @@ def _launcher(device_id: int) -> Launcher:
     return Launcher(_gpu_run, count)
 
 
-def launch_device(arrays: dict) -> int:
-    """The one device every array of a launch lives on (``arrays``: name -> cupy array or
-    None, the canary buffer or the plan output first); a clear error when they differ."""
-    first_name, device = None, None
-    for name, array in arrays.items():
-        if array is None:
-            continue
-        here = array.data.device_id
-        if device is None:
-            first_name, device = name, here
-        elif here != device:
-            raise ValueError(
-                f"kv-canary: {name} is on GPU {here} but {first_name} is on GPU {device}; "
-                "every array of a launch must live on the canary buffer's device")
-    return device
+def launch_device(arrays, named) -> int:
+    """The one device every array of a launch lives on (``arrays``: cupy arrays or None);
+    when they differ, an error naming two of them from ``named()`` (name -> array, the
+    canary buffer or the plan output first)."""
+    devices = {array.data.device_id for array in arrays if array is not None}
+    if len(devices) == 1:
+        return devices.pop()
+    where = [(name, array.data.device_id) for name, array in named().items() if array is not None]
+    first_name, device = where[0]
+    name, here = next((name, here) for name, here in where if here != device)
+    raise ValueError(
+        f"kv-canary: {name} is on GPU {here} but {first_name} is on GPU {device}; "
+        "every array of a launch must live on the canary buffer's device")
 
 
-def _context_arrays(context) -> dict:
-    arrays = {"canary_buf": context.canary_buf, "violation_ring": context.violation_log.ring,
-              "violation_write_index": context.violation_log.write_index,
-              "slot_run_counter": context.slot_run_counter,
-              "kernel_run_counter": context.kernel_run_counter,
-              "enable_chain_position_assert": context.enable_chain_position_assert}
-    for index, source in enumerate(context.real_kv_sources):
-        arrays[f"real_kv_sources[{index}].tensor"] = source.tensor
-    return arrays
+def _context_arrays(context) -> tuple:
+    log = context.violation_log
+    return (context.canary_buf, log.ring, log.write_index, context.slot_run_counter,
+            context.kernel_run_counter, context.enable_chain_position_assert,
+            *[source.tensor for source in context.real_kv_sources])
+
+
+def _context_names(context) -> dict:
+    names = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
+             "kernel_run_counter", "enable_chain_position_assert")
+    names += tuple(f"real_kv_sources[{i}].tensor" for i in range(len(context.real_kv_sources)))
+    return dict(zip(names, _context_arrays(context)))
 
 
 def _on_device(device_id: int, launch) -> None:
@@ -430,26 +437,28 @@ def _on_device(device_id: int, launch) -> None:
 
 
 def verify(context, plan, *, check_expected_token: bool) -> None:
-    device = launch_device({**_context_arrays(context), **plan.arrays()})
+    device = launch_device(
+        (*_context_arrays(context), *plan.arrays().values()),
+        lambda: {**_context_names(context), **plan.arrays()})
     _on_device(device, lambda launcher: launcher.verify(
         context, plan, check_expected_token=check_expected_token))
 
 
 def write(context, plan, *, input_ids, positions, out_cache_loc, expected_input_tokens=None,
           expected_input_positions=None) -> None:
-    device = launch_device({
-        **_context_arrays(context), **plan.arrays(), "input_ids": input_ids,
-        "positions": positions, "out_cache_loc": out_cache_loc,
-        "expected_input_tokens": expected_input_tokens,
-        "expected_input_positions": expected_input_positions})
-    _on_device(device, lambda launcher: launcher.write(
-        context, plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
-        expected_input_tokens=expected_input_tokens,
-        expected_input_positions=expected_input_positions))
+    tokens = {"input_ids": input_ids, "positions": positions, "out_cache_loc": out_cache_loc,
+              "expected_input_tokens": expected_input_tokens,
+              "expected_input_positions": expected_input_positions}
+    device = launch_device(
+        (*_context_arrays(context), plan.write_offsets, plan.write_seed_slot_indices,
+         plan.write_num_valid_reqs, *tokens.values()),
+        lambda: {**_context_names(context), **plan.arrays(), **tokens})
+    _on_device(device, lambda launcher: launcher.write(context, plan, **tokens))
 
 
 def plan(**kwargs) -> None:
     verify_plan, write_plan = kwargs["verify_plan"], kwargs["write_plan"]
+    outputs = {**verify_plan.arrays(), **write_plan.arrays()}
     inputs = {name: value for name, value in kwargs.items() if A.is_cupy_array(value)}
-    device = launch_device({**verify_plan.arrays(), **write_plan.arrays(), **inputs})
+    device = launch_device((*outputs.values(), *inputs.values()), lambda: {**outputs, **inputs})
     _on_device(device, lambda launcher: launcher.plan(**kwargs))
