@@ -26,6 +26,9 @@ def synth_options(function):
         click.option("--max-running", type=int, default=16, show_default=True,
                      help="Requests running at once (the live requests of the dump)."),
         click.option("--page-size", type=int, default=1, show_default=True),
+        click.option("--block-size", type=int, default=0, show_default=True,
+                     help="Simulate a paged engine with blocks of N slots (its pages) and "
+                          "dump a block table; 0: a per-token req_to_token table."),
         click.option("--swa-window", type=int, default=0, show_default=True,
                      help="Sliding window; > 0 dumps the SWA group (slots through the LUT)."),
         click.option("--sources", type=int, default=1, show_default=True,
@@ -67,11 +70,11 @@ def make_config(mode: str, **values):
 @click.option("--inject", multiple=True, metavar="KIND[:COUNT]",
               help="Inject a fault after the run (repeatable; KIND 'all' for every kind): "
                    "token, position, prev-hash, real-kv-byte, alias, swap, stale-reuse, "
-                   "slot-zero, lost-write.")
+                   "slot-zero, lost-write; with --block-size also evicted-block.")
 def synth_command(out, mode, backend, inject, **values):
     """Simulate serving and write the canary dump OUT (.npz, .safetensors or a directory)."""
     from kvcanary import dump
-    from kvcanary.synth import Synthesis, parse_inject
+    from kvcanary.synth import Synthesis, fault_kinds, parse_inject
 
     with error_boundary():
         config = make_config(mode, backend=backend, **values)
@@ -79,7 +82,7 @@ def synth_command(out, mode, backend, inject, **values):
             from kvcanary.audit import resolve_backend
 
             resolve_backend("cupy")  # a clear error when cupy or a device is missing
-        faults = parse_inject(inject)
+        faults = parse_inject(inject, fault_kinds(config.paged))
         if dump.flavour_of(out) == "safetensors":
             dump._safetensors_numpy(out)  # fail before the run when the package is missing
         synthesis = Synthesis(config)
@@ -96,7 +99,8 @@ def synth_command(out, mode, backend, inject, **values):
     click.echo(f"wrote {out}: {synthesis.num_canary_slots} slots, {rows.shape[0]} live requests "
                f"({int(seq_lens.sum())} prefix tokens), {len(synthesis.cache)} cached blocks, "
                f"{config.sources} real-KV source(s) in {config.mode} mode"
-               + (f", SWA window {config.swa_window}" if config.swa_window else ""))
+               + (f", SWA window {config.swa_window}" if config.swa_window else "")
+               + (f", block table of {config.block_size}-slot blocks" if config.paged else ""))
     click.echo(f"simulation: {s.steps} steps, {s.tokens_written} tokens written, "
                f"{s.cached_tokens_reused} reused from the prefix cache, {s.blocks_evicted} "
                f"blocks evicted, {s.slots_reused} slot reuses, {s.verify_launches} verify "

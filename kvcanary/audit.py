@@ -90,17 +90,23 @@ class Finding:
     violation: Violation
     kind: str                 # "request", "sweep" or "unattributed"
     batch_index: int = -1     # index into req_pool_indices
-    request_row: int = -1     # req_to_token row
+    request_row: int = -1     # slot-table row
     position: int = -1        # the entry's expected position
     prev_slot: int = -1       # the entry's predecessor slot
     sweep_index: int = -1
     checks: tuple = ()
     cause: str = ""
+    block_index: int = -1     # paged dumps: the position's entry in the row's block table
+    block: int = -1           # paged dumps: the block id there (-1: past the table)
 
     def where(self) -> str:
         if self.kind == "request":
+            block = ""
+            if self.block_index >= 0:
+                block = (f", block {self.block} (block-table entry {self.block_index}"
+                         f"{', the null block' if self.block == 0 else ''})")
             return (f"request row {self.request_row} (batch index {self.batch_index}), "
-                    f"position {self.position}, slot {self.violation.slot_idx}")
+                    f"position {self.position}{block}, slot {self.violation.slot_idx}")
         if self.kind == "sweep":
             return (f"sweep entry {self.sweep_index}, position {self.position}, "
                     f"slot {self.violation.slot_idx}")
@@ -112,6 +118,8 @@ class Finding:
                       request_row=self.request_row, expected_position=self.position,
                       prev_slot=self.prev_slot, sweep_index=self.sweep_index,
                       failed_checks=list(self.checks), likely_cause=self.cause)
+        if self.block_index >= 0:
+            record.update(block_index=self.block_index, block=self.block)
         return record
 
 
@@ -191,16 +199,16 @@ def failed_checks(bits: int) -> tuple:
 
 
 def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
-                 swa: bool = False) -> str:
+                 swa: bool = False, table: str = "req_to_token") -> str:
     bits, s = v.fail_reason_bits, v.slot_idx
     causes = []
     if bits & FailReason.SLOT_OUT_OF_RANGE:
         if s == PLAN_SLOT_OUT_OF_TABLE:
-            causes.append(f"position {position} lies outside req_to_token: seq_len is larger "
+            causes.append(f"position {position} lies outside {table}: seq_len is larger "
                           "than the table, or the request row is not in the table")
         elif s < 0 or s >= num_slots:
             causes.append(f"the table entry points outside the canary buffer (slot {s}, the "
-                          f"buffer has {num_slots} slots): a corrupt or stale req_to_token entry")
+                          f"buffer has {num_slots} slots): a corrupt or stale {table} entry")
         else:
             causes.append(f"the predecessor entry (position {position - 1}) points outside the "
                           f"canary buffer (slot {v.expected_aux})")
@@ -457,7 +465,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
             kept.append(describe(Violation(*row), entry))
 
     device = launcher.device
-    table = device(d.req_to_token)
+    table = d.plan_table(device)
     lut = device(d.full_to_swa_index_mapping)
     pool = device(d.expected_tokens)
     xp = launcher.xp
@@ -472,7 +480,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         try:
             api.plan(req_pool_indices=device(np.ascontiguousarray(rows_table[begin:end])),
                      prefix_lens=device(np.ascontiguousarray(seq_lens[begin:end])),
-                     extend_seq_lens=xp.zeros(bs, dtype=xp.int64), req_to_token=table,
+                     extend_seq_lens=xp.zeros(bs, dtype=xp.int64), **table,
                      verify_plan=verify_plan, write_plan=write_plan,
                      swa_window_size=d.swa_window_size, full_to_swa_index_mapping=lut,
                      req_to_verify_expected_tokens=pool,
@@ -500,11 +508,10 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
             if entry < 0:
                 return _finding(v, "unattributed", d.num_slots)
             b = int(nonempty[np.searchsorted(offsets, entry, "right") - 1])
+            row, position = int(rows_table[begin + b]), int(entries.positions[entry])
             return _finding(v, "request", d.num_slots, swa=d.full_to_swa_index_mapping is not None,
-                            batch_index=begin + b,
-                            request_row=int(rows_table[begin + b]),
-                            position=int(entries.positions[entry]),
-                            prev_slot=int(entries.prevs[entry]))
+                            batch_index=begin + b, request_row=row, position=position,
+                            prev_slot=int(entries.prevs[entry]), **_block_of(d, row, position))
 
         account(rows, entry_of, describe)
         done += total
@@ -552,10 +559,20 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     return result
 
 
+def _block_of(d: Dump, row: int, position: int) -> dict:
+    """Where a paged dump's position goes through its block table (nothing for per-token)."""
+    if d.block_table is None:
+        return {}
+    index = position // d.block_size
+    inside = 0 <= row < d.block_table.shape[0] and index < d.block_table.shape[1]
+    return {"block_index": index, "block": int(d.block_table[row, index]) if inside else -1}
+
+
 def _finding(v: Violation, kind: str, num_slots: int, swa: bool = False, **where) -> Finding:
     position = where.get("position", v.position)
     prev = where.get("prev_slot", -1)
+    table = "block_table" if where.get("block_index", -1) >= 0 else "req_to_token"
     return Finding(violation=v, kind=kind, checks=failed_checks(v.fail_reason_bits),
                    cause=likely_cause(v, position=position, prev_slot=prev, num_slots=num_slots,
-                                      swa=swa),
+                                      swa=swa, table=table),
                    **where)
