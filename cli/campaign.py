@@ -25,7 +25,11 @@ from .common import EXIT_CLEAN, EXIT_VIOLATIONS, Progress, error_boundary, fail
 @click.option("--out", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the report to this file instead of stdout.")
 @click.option("-j", "--jobs", type=int, default=None, help="Worker processes [default: CPU count].")
-def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs):
+@click.option("--layout", type=click.Choice(["per-token", "paged"]), default="per-token",
+              show_default=True,
+              help="per-token: req_to_token dumps; paged: paged engines (synth --block-size) "
+                   "dumping block tables, with the paged fault forms.")
+def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs, layout):
     """Inject faults of every kind into randomized synth workloads, audit them, and report
     the detection rate per fault kind and hash mode plus false positives on clean runs.
 
@@ -51,7 +55,8 @@ def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs)
     with error_boundary():
         try:
             report = run_campaign(faults_per_kind=faults_per_kind, clean_runs=clean_runs,
-                                  seed=seed, backend=backend, jobs=jobs, progress=progress)
+                                  seed=seed, backend=backend, jobs=jobs, layout=layout,
+                                  progress=progress)
         finally:
             for bar in bars.values():
                 bar.close()
