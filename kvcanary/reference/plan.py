@@ -60,6 +60,41 @@ def block_slots(blocks: np.ndarray, offsets: np.ndarray, block_size: int) -> np.
     return slots
 
 
+def paged_entries(block_table, block_size, row, start, verify_len, position, lut) -> tuple:
+    """Slots and predecessors of the verify entries from a block table, a block at a time:
+    a row's entries are the consecutive positions ``[start, start + verify_len)``, so each
+    block is read once, and each predecessor is the slot of the entry before it (the row's
+    first entry reads its own)."""
+    nonempty = np.flatnonzero(verify_len > 0)
+    first, count, table_row = start[nonempty], verify_len[nonempty], row[nonempty]
+    first_block = first // block_size
+    blocks_per_row = (first + count - 1) // block_size - first_block + 1
+    block_row = np.repeat(table_row, blocks_per_row)
+    row_offsets = np.cumsum(blocks_per_row) - blocks_per_row
+    block_index = np.repeat(first_block - row_offsets, blocks_per_row) + np.arange(
+        int(blocks_per_row.sum()))
+    base = block_slots(table_entries(block_table, block_row, block_index), 0, block_size)
+    begin = block_index * block_size
+    entries_per_block = (np.minimum(np.repeat(first + count, blocks_per_row), begin + block_size)
+                         - np.maximum(np.repeat(first, blocks_per_row), begin))
+    expanded = np.repeat(base, entries_per_block)
+    slot = expanded + position % block_size
+    special = (base == 0) | (base == PLAN_SLOT_OUT_OF_TABLE)   # the null block, the marker
+    if special.any():
+        keep = np.repeat(special, entries_per_block)
+        slot[keep] = expanded[keep]
+    slot = translate(slot, lut)
+    heads = np.cumsum(count) - count
+    head_prev = np.full(heads.shape, -1, dtype=np.int64)
+    has_prev = first > 0
+    head_prev[has_prev] = translate(
+        table_slots(block_table, table_row[has_prev], first[has_prev] - 1, block_size), lut)
+    prev = np.empty_like(slot)
+    prev[1:] = slot[:-1]
+    prev[heads] = head_prev
+    return slot, prev
+
+
 def translate(slots: np.ndarray, lut) -> np.ndarray:
     """SWA translation; negatives and the out-of-table marker pass through unchanged."""
     if lut is None:
@@ -118,12 +153,15 @@ def plan_reference(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_tok
         offsets = np.cumsum(verify_len) - verify_len
         position = start[batch_row] + (np.arange(total) - offsets[batch_row])
         table_row = row[batch_row]
-        slot = translate(table_slots(req_to_token, table_row, position, block_size), lut)
-        prev = np.full(total, -1, dtype=np.int64)
-        has_prev = position > 0
-        prev[has_prev] = translate(
-            table_slots(req_to_token, table_row[has_prev], position[has_prev] - 1, block_size),
-            lut)
+        if block_size == 1:
+            slot = translate(table_slots(req_to_token, table_row, position), lut)
+            prev = np.full(total, -1, dtype=np.int64)
+            has_prev = position > 0
+            prev[has_prev] = translate(
+                table_slots(req_to_token, table_row[has_prev], position[has_prev] - 1), lut)
+        else:
+            slot, prev = paged_entries(req_to_token, block_size, row, start, verify_len,
+                                       position, lut)
         verify_plan.verify_slot_indices[:total] = slot
         verify_plan.verify_expected_positions[:total] = position
         verify_plan.verify_prev_slot_indices[:total] = prev
