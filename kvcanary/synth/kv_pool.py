@@ -23,21 +23,26 @@ class KvPool:
         self.page_size = ps = c.page_size
         self.canary = np.zeros((num_slots, CANARY_SLOT_BYTES), dtype=np.uint8)
         self.write_count = np.zeros(num_slots, dtype=np.uint32)
-        self.sources = []
         rows = -(-num_slots // ps)
-        for i in range(c.sources):
-            dtype = np.dtype(SOURCE_DTYPES[i % len(SOURCE_DTYPES)])
-            width = ps * c.bytes_per_token // dtype.itemsize
-            self.sources.append(np.zeros((rows, width), dtype=dtype))
+        self.dtypes = [np.dtype(SOURCE_DTYPES[i % len(SOURCE_DTYPES)]) for i in range(c.sources)]
+        tensors = [np.zeros((rows, ps * c.bytes_per_token // dtype.itemsize), dtype=dtype)
+                   for dtype in self.dtypes]
         self.tag = LaunchTag.TAIL_K_SWA if c.swa_window > 0 else LaunchTag.TAIL_K_FULL
         self.context = CanaryContext(
             self.canary, kernel_kind=self.tag,
             violation_log=ViolationLog.allocate(VIOLATION_LOG_CAPACITY),
             slot_run_counter=np.zeros(1, dtype=np.int64),
             kernel_run_counter=np.zeros(1, dtype=np.int64),
-            real_kv_sources=tuple(self._source(t) for t in self.sources),
+            real_kv_sources=tuple(self._source(t) for t in tensors),
             real_kv_hash_mode=c.hash_mode, max_real_kv_sources=max(4, c.sources))
         self.write_plan = WritePlan.allocate(c.max_running)
+
+    @property
+    def sources(self) -> list:
+        """The real-KV tensors in their dtypes: views of the bytes the context hashes, so a
+        copy of the pool (``copy.deepcopy``) still writes what it hashes."""
+        return [np.asarray(source.tensor).view(dtype)
+                for source, dtype in zip(self.context.real_kv_sources, self.dtypes)]
 
     def _source(self, tensor) -> RealKvSource:
         bpt = self.config.bytes_per_token
