@@ -291,16 +291,7 @@ class FaultInjector:
         s = self.s
         b, p, slot = self._pick()
         new_position = p + 1 + int(s.rng.integers(1, 64))
-        token = s.workload.tokens(1).astype(np.int64)
-        positions = np.array([new_position], dtype=np.int64)
-        slots = np.array([slot], dtype=np.int64)
-        s.pool.write_kv(slots, token, positions)
-        plan = WritePlan(write_offsets=np.array([0, 1], dtype=np.int64),
-                         write_seed_slot_indices=np.array([-1], dtype=np.int64),
-                         write_num_valid_reqs=np.array([1], dtype=np.int32))
-        api.write(s.pool.context, plan, input_ids=token, positions=positions,
-                  out_cache_loc=slots, backend=s.config.backend)
-        s.pool.write_count[slot] += 1
+        self._rewrite(np.array([slot], dtype=np.int64), new_position)
         return self._fault("stale-reuse", b, p, slot, detail=new_position,
                            note=f"rewritten as position {new_position} of another sequence")
 
