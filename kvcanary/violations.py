@@ -1,5 +1,5 @@
 """Decoded violation rows and their renderings: upstream's frozen log line and block
-(spec §6.5) and a JSON-ready dict."""
+(docs/format.md §11) and a JSON-ready dict."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def hex64(value: int) -> str:
 
 @dataclass(frozen=True)
 class Violation:
-    """One ring row (spec §6.1). ``position`` is the stored position on the verify path and
+    """One ring row (docs/format.md §10). ``position`` is the stored position on the verify path and
     the written one on the write path; ``expected_aux`` is the expected chain hash (verify),
     the expected position (write), or the offending index (``SLOT_OUT_OF_RANGE`` rows)."""
 
@@ -108,7 +108,7 @@ class Violation:
         )
 
     def format_block(self, *, total_violations: int, ring_overflow: bool, step_when_pumped: int) -> str:
-        """Upstream's multi-line report of one row (spec §6.5)."""
+        """Upstream's multi-line report of one row (docs/format.md §11)."""
         labels = " ".join(self.labels) or "none"
         lines = [
             self.log_line(),

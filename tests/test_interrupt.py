@@ -153,9 +153,11 @@ def test_synth(sig, out, earlier, tmp_path):
              req_to_token=np.zeros((2, 1), np.int32), req_pool_indices=np.zeros(0, np.int64),
              seq_lens=np.zeros(0, np.int64))
     before = snapshot(tmp_path)
-    stopped = interrupt(["synth", out, *SYNTH], sig, r"requests admitted: [1-9]", cwd=tmp_path)
-    assert_clean_stop(stopped, sig, rf"kvcanary: synth interrupted by SIG "
-                                    rf"\(requests admitted: \d+/2000\); {out} not written")
+    force = ["--force"] if earlier else []
+    stopped = interrupt(["synth", out, *SYNTH, *force], sig,
+                        r"requests admitted and prefilled: [1-9]", cwd=tmp_path)
+    assert_clean_stop(stopped, sig, rf"kvcanary: synth interrupted by SIG \(requests "
+                                    rf"admitted and prefilled: \d+/2000\); {out} not written")
     assert snapshot(tmp_path) == before
     assert stopped.stdout == ""
 

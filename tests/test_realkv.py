@@ -1,4 +1,4 @@
-"""The real-KV fingerprint (spec §2.6): layouts, modes and widths, through kc.write."""
+"""The real-KV fingerprint (docs/format.md §5): layouts, modes and widths, through kc.write."""
 
 import numpy as np
 import pytest

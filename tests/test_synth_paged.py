@@ -177,7 +177,10 @@ def test_dump_holds_exactly_one_table(tmp_path):
         (dict(arrays, block_table=table.astype(np.float32)), "key block_table: dtype must be"),
     ]
     for index, (values, message) in enumerate(cases):
-        path = save(str(tmp_path / f"bad{index}.npz"), **values)
+        path = str(tmp_path / f"bad{index}.npz")
+        with pytest.raises(DumpError, match=message):
+            save(path, **values)                        # save refuses what load would
+        np.savez(path, kvcanary_dump_version=np.int64(1), **values)   # written by other means
         with pytest.raises(DumpError, match=message):
             load(path)
 

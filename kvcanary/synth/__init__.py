@@ -22,7 +22,7 @@ The same seed and options give the same dump, bit for bit. ``backend="cupy"`` ru
 launch on the CUDA kernels (the library moves the arrays per launch, so keep such runs small).
 """
 
-from .config import MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
+from .config import MAX_SEED, MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
 from .engine import Synthesis, synthesize
 from .faults import (
     EXPECTED_BITS,
@@ -32,13 +32,14 @@ from .faults import (
     PAGED_FAULT_KINDS,
     Fault,
     fault_kinds,
+    inapplicable_kinds,
     parse_inject,
 )
 from .scoring import FaultOutcome, fault_note, faults_from_dump, score
 
 __all__ = [
-    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MODES", "PAGED_FAULT_DESCRIPTIONS",
-    "PAGED_FAULT_KINDS", "SOURCE_DTYPES", "Fault", "FaultOutcome", "Stats", "SynthConfig",
-    "SynthError", "Synthesis", "fault_kinds", "fault_note", "faults_from_dump", "parse_inject",
-    "score", "synthesize",
+    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MAX_SEED", "MODES",
+    "PAGED_FAULT_DESCRIPTIONS", "PAGED_FAULT_KINDS", "SOURCE_DTYPES", "Fault", "FaultOutcome",
+    "Stats", "SynthConfig", "SynthError", "Synthesis", "fault_kinds", "fault_note",
+    "faults_from_dump", "inapplicable_kinds", "parse_inject", "score", "synthesize",
 ]

@@ -78,9 +78,19 @@ class Fault:
     note: str = ""
 
 
-def parse_inject(specs, kinds=FAULT_KINDS) -> list:
-    """``["token", "alias:3"]`` -> ``[("token", 1), ("alias", 3)]``; ``all`` means every kind
-    of ``kinds`` (the layout's: :func:`fault_kinds`)."""
+def inapplicable_kinds(config) -> dict:
+    """Fault kinds that cannot be injected into a workload of ``config``, with the reason."""
+    if config.sources == 0:
+        return {"real-kv-byte": "no real-KV sources (--sources 0)"}
+    return {}
+
+
+def parse_inject(specs, config=None) -> list:
+    """``["token", "alias:3"]`` -> ``[("token", 1), ("alias", 3)]``; ``all`` means every
+    kind of the layout that applies to ``config`` (see :func:`fault_kinds` and
+    :func:`inapplicable_kinds`)."""
+    skipped = inapplicable_kinds(config) if config is not None else {}
+    layout = fault_kinds(config is not None and config.paged)
     result = []
     for spec in specs:
         kind, _, count = spec.partition(":")
@@ -89,9 +99,10 @@ def parse_inject(specs, kinds=FAULT_KINDS) -> list:
             number = int(count) if count else 1
         except ValueError:
             raise SynthError(f"--inject {spec}: COUNT must be an integer") from None
-        for name in kinds if kind == "all" else (kind,):
-            if name not in kinds:
-                raise SynthError(_unknown_kind(name, kinds) + ", or all)")
+        kinds = [k for k in layout if k not in skipped] if kind == "all" else (kind,)
+        for name in kinds:
+            if name not in layout:
+                raise SynthError(_unknown_kind(name, layout) + ", or all)")
             if number < 1:
                 raise SynthError(f"--inject {spec}: COUNT must be at least 1")
             result.append((name, number))
