@@ -60,13 +60,16 @@ def stamp_canary(req_to_token, num_slots: int, length: int) -> np.ndarray:
     return context.canary_buf
 
 
-def median_seconds(function, repeats: int) -> float:
-    times = []
+def medians(functions: dict, repeats: int) -> dict:
+    """Median seconds of each function, run in turns (so a shared machine's load falls on
+    both forms alike)."""
+    times = {name: [] for name in functions}
     for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for name, function in functions.items():
+            started = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def size_of(path: str) -> int:
@@ -96,17 +99,17 @@ def main() -> None:
     canary = stamp_canary(req_to_token, num_slots, length)
     scratch = tempfile.mkdtemp(prefix="kvcanary-bench-paged-")
     try:
-        figures = {}
+        paths = {}
         for name, table in tables.items():
-            path = os.path.join(scratch, name.replace(" ", "_"))
-            dump_table = ({"req_to_token": req_to_token} if name == "per-token" else
-                          {"block_table": block_table, "block_size": args.block_size})
-            save(path, canary=canary, req_pool_indices=rows, seq_lens=prefix, **dump_table)
+            paths[name] = path = os.path.join(scratch, name.replace(" ", "_"))
+            save(path, canary=canary, req_pool_indices=rows, seq_lens=prefix, **table)
             result = audit(path, backend="numpy")
             assert result.total_violations == 0 and result.entries_checked == entries
-            figures[name] = (median_seconds(lambda: plan(table), args.repeats),
-                             median_seconds(lambda: audit(path, backend="numpy"), args.repeats),
-                             size_of(path))
+        plan_s = medians({name: (lambda t=table: plan(t)) for name, table in tables.items()},
+                         args.repeats)
+        audit_s = medians({name: (lambda p=path: audit(p, backend="numpy"))
+                           for name, path in paths.items()}, args.repeats)
+        figures = {name: (plan_s[name], audit_s[name], size_of(paths[name])) for name in tables}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"{requests} requests x {length} tokens = {entries} entries, block size "
