@@ -15,7 +15,7 @@ BATCH = [(3, [40, 41, 42, 43]), (1, [10, 11, 12, 13, 14]), (0, []), (4, []),
          (2, [20, 21, 22]), (5, [50, 51, 52, 53, 54, 55])]
 
 
-def _arrays(tokens_offset=100):
+def clean_batch_arrays(tokens_offset=100):
     """A clean dump of BATCH: every record chained as write would stamp it."""
     canary = np.zeros((64, 32), np.uint8)
     records = canary.view("<i8")[:, :4]
@@ -53,7 +53,7 @@ def test_fault_at_position_zero_is_on_its_own_request(tmp_path, chunk_entries):
     for _, slots in BATCH:
         if not slots:
             continue
-        arrays = _arrays()
+        arrays = clean_batch_arrays()
         arrays["canary"].view("<i8")[slots[0], 1] = 7  # the head's stored position
         result = audit(load(save(str(tmp_path / "d.npz"), **arrays)), backend="numpy",
                        chunk_entries=chunk_entries)
@@ -68,7 +68,7 @@ def test_fault_at_a_window_head_is_on_its_own_request(tmp_path, chunk_entries):
     for _, slots in BATCH:
         if not slots:
             continue
-        arrays = _arrays()
+        arrays = clean_batch_arrays()
         arrays.update(swa_window_size=np.int64(window),
                       full_to_swa_index_mapping=np.arange(64, dtype=np.int64))
         head = slots[max(0, len(slots) - window)]
@@ -82,5 +82,5 @@ def test_fault_at_a_window_head_is_on_its_own_request(tmp_path, chunk_entries):
 
 
 def test_the_clean_batch_is_clean(tmp_path):
-    result = audit(load(save(str(tmp_path / "d.npz"), **_arrays())), backend="numpy")
+    result = audit(load(save(str(tmp_path / "d.npz"), **clean_batch_arrays())), backend="numpy")
     assert result.clean and result.live_entries == 4 + 5 + 3 + 6
