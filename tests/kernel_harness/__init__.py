@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_FLAGS = ("-O2",)
 SANITIZE_FLAGS = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                   "-fno-sanitize-recover=undefined")
+COVERAGE_FLAGS = ("-O0", "--coverage")  # gcov line counts (scripts/kernel-coverage.py)
 
 
 def compiler() -> str | None:
@@ -115,8 +116,8 @@ class CpuKernels:
     the kernel source compiled for the CPU."""
 
     def __init__(self, multiprocessor_count: int = 2, threads_per_block: int = 8,
-                 write_threads_per_block: int = 4, flags: tuple[str, ...] = DEFAULT_FLAGS):
-        self.flags = flags
+                 write_threads_per_block: int = 4, flags: tuple[str, ...] | None = None):
+        self.flags = harness_flags_from_env() if flags is None else flags
         self.launches = []  # (name, blocks, threads) of every launch, for geometry checks
         self._launcher = L.Launcher(self._run, multiprocessor_count,
                                     threads_per_block=threads_per_block,
@@ -290,5 +291,10 @@ class Differential:
 
 
 def harness_flags_from_env() -> tuple[str, ...]:
-    """Sanitizer build when KVCANARY_HARNESS_SANITIZE=1 (set by the sanitizer test)."""
-    return SANITIZE_FLAGS if os.environ.get("KVCANARY_HARNESS_SANITIZE") == "1" else DEFAULT_FLAGS
+    """Sanitizer build when KVCANARY_HARNESS_SANITIZE=1 (set by the sanitizer test),
+    gcov build when KVCANARY_HARNESS_COVERAGE=1 (set by the kernel coverage run)."""
+    if os.environ.get("KVCANARY_HARNESS_SANITIZE") == "1":
+        return SANITIZE_FLAGS
+    if os.environ.get("KVCANARY_HARNESS_COVERAGE") == "1":
+        return COVERAGE_FLAGS
+    return DEFAULT_FLAGS
