@@ -12,3 +12,43 @@ from kvcanary.hashing import to_signed, to_unsigned
 def test_to_signed_at_the_int64_edges(bits, value):
     assert to_signed(bits) == value
     assert to_unsigned(value) == bits & ((1 << 64) - 1)
+
+
+# --------------------------------------------------------------- plan kernels beside the reference
+
+import numpy as np  # noqa: E402
+
+import kvcanary as kc  # noqa: E402
+from builders import i64, linear_req_to_token  # noqa: E402
+from kernel_harness.fixtures import cpu_kernels, kernels_behind_numpy  # noqa: E402,F401
+
+MARK = kc.consts.PLAN_SLOT_OUT_OF_TABLE
+
+
+def _plan(rows, prefixes, table, **kwargs):
+    verify_plan, write_plan = kc.VerifyPlan.allocate(64), kc.WritePlan.allocate(4)
+    kc.plan(req_pool_indices=i64(rows), prefix_lens=i64(prefixes),
+            extend_seq_lens=i64([1] * len(rows)), req_to_token=table, verify_plan=verify_plan,
+            write_plan=write_plan, **kwargs)
+    n = int(verify_plan.verify_num_valid[0])
+    return verify_plan.verify_slot_indices[:n].tolist(), write_plan
+
+
+def test_plan_row_one_past_the_table_is_out_of_table(kernels_behind_numpy):  # noqa: F811
+    """Row index == number of rows: the first row outside (a `<=` bound would read past
+    the table)."""
+    slots, write_plan = _plan([4, 1], [2, 2], linear_req_to_token(4, 8))
+    assert slots == [MARK, MARK, 8, 9]
+    assert write_plan.write_seed_slot_indices[:2].tolist() == [MARK, 9]
+    assert kernels_behind_numpy.compared == 1
+
+
+def test_plan_translates_slot_zero_through_the_lut(kernels_behind_numpy):  # noqa: F811
+    """Slot 0 is a slot like any other for the SWA table (only negatives pass through)."""
+    table = linear_req_to_token(2, 8)
+    table[1, :3] = [0, 5, -3]
+    lut = np.arange(16, dtype=np.int64) + 100
+    slots, write_plan = _plan([1], [3], table, swa_window_size=8, full_to_swa_index_mapping=lut)
+    assert slots == [100, 105, -3]
+    assert write_plan.write_seed_slot_indices[0] == -3
+    assert kernels_behind_numpy.compared == 1
