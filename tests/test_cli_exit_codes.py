@@ -3,6 +3,7 @@ with violations (exit 1), which outranks clean ones (exit 0), whatever the order
 dumps on the command line; and a dump the loader must refuse is a bad dump."""
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -67,3 +68,19 @@ def test_negative_expected_tokens_valid_lens_is_refused_at_load(tmp_path):
     arrays["expected_tokens_valid_lens"][-1] = 0  # control: the same dump with 0 loads
     savez(path, arrays)
     assert load(path).expected_tokens_valid_lens.tolist() == [4, 5, 0, 0, 3, 0]
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_each_dump_is_rendered_in_the_chosen_format(dumps, fmt):
+    """JSON Lines: a config, violation... and summary record per audited dump and an error
+    record per bad dump; text: no JSON at all."""
+    result = CliRunner().invoke(main, ["audit", "--jobs", "1", "--format", fmt,
+                                       dumps["bad"], dumps["faulty"]])
+    assert result.exit_code == 2
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if fmt == "text":
+        assert lines == []
+        return
+    records = [json.loads(line)["record"] for line in lines]
+    assert records[0] == "error" and records[1] == "config" and records[-1] == "summary"
+    assert "violation" in records
