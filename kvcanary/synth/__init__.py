@@ -1,0 +1,33 @@
+"""A small but honest serving simulation that produces canary dumps, and fault injection.
+
+The parts of a serving engine, one module each:
+
+* ``allocator``: the slot allocator (pages of ``page_size`` slots, LIFO free list, page 0
+  never handed out; SWA slots and the full-to-SWA map under a sliding window). Slots are
+  handed out and freed here.
+* ``prefix_cache``: the radix-style prefix cache of full blocks, shared by reference count,
+  evicted least recently used.
+* ``workload``: the requests (shared system prompts, follow-ups of earlier conversations).
+* ``scheduler``: admission, chunked prefill, decode, finish.
+* ``kv_pool``: the canary records and real KV a step writes, and the canary launches of a
+  step (plan, periodic verify, TAIL write); a violation in the honest run raises.
+* ``faults``: fault injection into the final state, one request-owned entry per fault.
+* ``dump_writer``: the dump keys of a run (live requests, cache blocks as sweep entries,
+  ground truth under ``synth_`` keys).
+* ``scoring``: ground truth read back from a dump and matched against an audit's findings.
+* ``engine``: :class:`Synthesis`, the parts wired together around one random generator.
+
+The same seed and options give the same dump, bit for bit. ``backend="cupy"`` runs every
+launch on the CUDA kernels (the library moves the arrays per launch, so keep such runs small).
+"""
+
+from .config import MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
+from .engine import Synthesis, synthesize
+from .faults import EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, Fault, parse_inject
+from .scoring import FaultOutcome, fault_note, faults_from_dump, score
+
+__all__ = [
+    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MODES", "SOURCE_DTYPES", "Fault",
+    "FaultOutcome", "Stats", "SynthConfig", "SynthError", "Synthesis", "fault_note",
+    "faults_from_dump", "parse_inject", "score", "synthesize",
+]

@@ -1,0 +1,77 @@
+"""The dump of a run: its running requests are the live requests, its prefix-cache blocks the
+sweep entries, its faults the ground truth under ``synth_`` keys."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import numpy as np
+
+from .faults import FAULT_KINDS
+
+
+def live_requests(running) -> tuple:
+    """``(req_pool_indices, seq_lens)`` of the running requests."""
+    rows = np.array([r.row for r in running], dtype=np.int64)
+    seq_lens = np.array([r.seq_len for r in running], dtype=np.int64)
+    return rows, seq_lens
+
+
+def sweep_entries(cache, lut):
+    """``(slots, prev_slots, positions)`` of every cached block's entries (canary slots), or
+    None when the cache is empty; a block's first entry links to its parent's last."""
+    slots, prevs, positions = [], [], []
+    B = cache.block_tokens
+    for block in cache.values():
+        own = block.slots.astype(np.int64)
+        prev = np.empty_like(own)
+        prev[0] = block.parent.slots[-1] if block.parent is not None else -1
+        prev[1:] = own[:-1]
+        slots.append(own)
+        prevs.append(prev)
+        positions.append(block.depth * B + np.arange(B, dtype=np.int64))
+    if not slots:
+        return None
+    slots, prevs = np.concatenate(slots), np.concatenate(prevs)
+    if lut is not None:
+        slots = lut[slots]
+        prevs = np.where(prevs >= 0, lut[np.maximum(prevs, 0)], prevs)
+    return slots, prevs, np.concatenate(positions)
+
+
+def dump_arrays(synthesis) -> dict:
+    """The dump keys (for ``kvcanary.dump.save``) of a synthesis's current state."""
+    s, c = synthesis, synthesis.config
+    rows, seq_lens = live_requests(s.running)
+    out = {
+        "canary": s.canary,
+        "req_to_token": s.table,
+        "req_pool_indices": rows,
+        "seq_lens": seq_lens,
+        "launch_tag": s.pool.tag.name,
+        "expected_tokens": s.token_pool,
+        "expected_tokens_valid_lens": seq_lens.copy(),
+    }
+    if s.sources:
+        for index, tensor in enumerate(s.sources):
+            out[f"real_kv_{index}"] = tensor
+        out["real_kv_params"] = np.array(
+            [[c.page_size, c.bytes_per_token, c.bytes_per_token]] * len(s.sources),
+            dtype=np.int64)
+        out["real_kv_hash_mode"] = c.mode
+    if c.swa_window > 0:
+        out["swa_window_size"] = np.array(c.swa_window, dtype=np.int64)
+        out["full_to_swa_index_mapping"] = s.lut
+    sweep = sweep_entries(s.cache, s.lut)
+    if sweep is not None:
+        out["sweep_slot_indices"], out["sweep_prev_slot_indices"], out["sweep_positions"] = sweep
+    out["synth_config"] = json.dumps(asdict(c), sort_keys=True)
+    out["synth_stats"] = json.dumps(asdict(s.stats), sort_keys=True)
+    out["synth_fault_kinds"] = ",".join(FAULT_KINDS)
+    f = s.faults
+    out["synth_fault_kind"] = np.array([FAULT_KINDS.index(x.kind) for x in f], dtype=np.int64)
+    for name in ("batch_index", "request_row", "position", "slot", "expected_bits", "detail"):
+        out[f"synth_fault_{name}"] = np.array([getattr(x, name) for x in f], dtype=np.int64)
+    out["synth_fault_visible"] = np.array([int(x.visible) for x in f], dtype=np.int64)
+    return out
