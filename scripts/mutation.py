@@ -45,12 +45,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # first failure). The two block-edge tests at full size are left to the full suite.
 SURVIVORS = "tests/test_mutation_survivors.py"  # tests written for earlier survivors
 EDGES = ["tests/test_block_boundaries.py", "-k", "not past_the_real"]
+# out-of-range rows: the reference and the kernels side by side
+OUT_OF_RANGE = "tests/test_kernels_cpu_out_of_range.py"
 PLAN_TESTS = [SURVIVORS, "tests/test_plan_outputs_on_error.py", "tests/test_reference_plan.py",
-              "tests/test_oracle_equivalence.py"]
+              "tests/test_oracle_equivalence.py", OUT_OF_RANGE]
 VERIFY_TESTS = [SURVIVORS, "tests/test_reference_verify.py", "tests/test_extensions.py",
-                "tests/test_oracle_equivalence.py"]
+                "tests/test_oracle_equivalence.py", OUT_OF_RANGE]
 WRITE_TESTS = [SURVIVORS, "tests/test_reference_write.py", "tests/test_extensions.py",
-               "tests/test_oracle_equivalence.py"]
+               "tests/test_oracle_equivalence.py", OUT_OF_RANGE]
 AUDIT_TESTS = [SURVIVORS, "tests/test_request_boundaries.py", "tests/test_audit.py"]
 DUMP_TESTS = [SURVIVORS, "tests/test_cli_exit_codes.py", "tests/test_dump.py"]
 CLI_TESTS = [SURVIVORS, "tests/test_cli_exit_codes.py"]
@@ -106,6 +108,14 @@ EQUIVALENT: dict[str, str] = {
         "an extra thread t == work writes nothing: t > write_req_capacity and t >= bs",
     "kernels/kvc_plan.cu:95:44:> -> >=":
         "an extend of 0 gives a write length of 0 on either branch",
+    "kernels/kvc_verify.cu:104:13:<= -> <":
+        "with no active entry the loop runs no iteration and the counter adds 0",
+    "kvcanary/reference/verify.py:80:16:slot < 0 -> slot <= 0":
+        "slot 0 is skipped after the range rule: its bits are cleared and it is never hashed",
+    "kvcanary/reference/write.py:60:7:active <= 0 -> active < 0":
+        "with no active request every array below is empty: nothing is written",
+    "kvcanary/reference/write.py:45:48:-1 -> 1":
+        "stacking 1-D keys: axis 1 is the last axis",
     "kernels/kvc_plan.cu:150:9:<= -> <":
         "with bs == 0 the total is 0, so the next line returns as well (and the launcher "
         "skips this launch for an empty batch)",
