@@ -52,3 +52,14 @@ def test_plan_translates_slot_zero_through_the_lut(kernels_behind_numpy):  # noq
     assert slots == [100, 105, -3]
     assert write_plan.write_seed_slot_indices[0] == -3
     assert kernels_behind_numpy.compared == 1
+
+
+def test_write_to_the_slot_one_past_the_buffer_is_out_of_range(kernels_behind_numpy):  # noqa: F811
+    from builders import make_context, make_write_plan, ring_rows
+
+    ctx = make_context(num_slots=8)
+    kc.write(ctx, make_write_plan([2], [-1]), input_ids=i64([5, 6]), positions=i64([0, 1]),
+             out_cache_loc=i64([7, 8]))
+    oor = int(kc.FailReason.SLOT_OUT_OF_RANGE)
+    assert [(row[1], row[7]) for row in ring_rows(ctx)] == [(8, oor)]
+    assert kernels_behind_numpy.compared == 1
