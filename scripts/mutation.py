@@ -116,6 +116,8 @@ EQUIVALENT: dict[str, str] = {
         "with no active request every array below is empty: nothing is written",
     "kvcanary/reference/write.py:45:48:-1 -> 1":
         "stacking 1-D keys: axis 1 is the last axis",
+    "kernels/kvc_write.cu:103:13:> -> >=":
+        "clamping an active count equal to the capacity to the capacity changes nothing",
     "kernels/kvc_plan.cu:150:9:<= -> <":
         "with bs == 0 the total is 0, so the next line returns as well (and the launcher "
         "skips this launch for an empty batch)",
@@ -306,8 +308,14 @@ def main(argv=None) -> int:
                         help="run every K-th mutant only (a fixed, reproducible sample)")
     parser.add_argument("--start", type=int, default=1, metavar="N",
                         help="resume an interrupted run at mutant N of the list")
+    parser.add_argument("--ids", type=Path, default=None, metavar="FILE",
+                        help="run only the mutants whose ids are listed in FILE, one a line "
+                             "(e.g. the survivors of a previous run)")
     args = parser.parse_args(argv)
     mutants = all_mutants(args.only)[::max(1, args.every)][args.start - 1:]
+    if args.ids:
+        wanted = set(args.ids.read_text().splitlines())
+        mutants = [m for m in mutants if m.id in wanted]
     if args.list:
         for mutant in mutants:
             print(mutant.id)
