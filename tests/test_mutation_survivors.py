@@ -63,3 +63,19 @@ def test_write_to_the_slot_one_past_the_buffer_is_out_of_range(kernels_behind_nu
     oor = int(kc.FailReason.SLOT_OUT_OF_RANGE)
     assert [(row[1], row[7]) for row in ring_rows(ctx)] == [(8, oor)]
     assert kernels_behind_numpy.compared == 1
+
+
+def test_write_with_no_entries_in_total_writes_nothing(kernels_behind_numpy):  # noqa: F811
+    """The early return reads the total at write_offsets[active]: a plan whose total is 0
+    writes nothing, even when an earlier request's range looks non-empty."""
+    from builders import counters, make_context
+
+    ctx = make_context(num_slots=8)
+    plan = kc.WritePlan.allocate(2)
+    plan.write_offsets[:] = [0, 2, 0]
+    plan.write_seed_slot_indices[:] = [-1, -1]
+    plan.write_num_valid_reqs[0] = 2
+    kc.write(ctx, plan, input_ids=i64([5, 6]), positions=i64([0, 1]), out_cache_loc=i64([1, 2]))
+    assert not ctx.canary_buf.any()
+    assert counters(ctx) == (0, 0, 1)
+    assert kernels_behind_numpy.compared == 1
