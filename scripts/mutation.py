@@ -117,6 +117,9 @@ EQUIVALENT: dict[str, str] = {
         "slot 0 is skipped after the range rule: its bits are cleared and it is never hashed",
     "kvcanary/reference/write.py:60:7:active <= 0 -> active < 0":
         "with no active request every array below is empty: nothing is written",
+    "kvcanary/reference/write.py:71:18:-1 -> 1":
+        "the entry key orders rows within one request, and a request outside the token "
+        "arrays has just this one row",
     "kvcanary/reference/write.py:45:48:-1 -> 1":
         "stacking 1-D keys: axis 1 is the last axis",
     "kernels/kvc_write.cu:103:13:> -> >=":
