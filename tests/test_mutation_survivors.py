@@ -79,3 +79,73 @@ def test_write_with_no_entries_in_total_writes_nothing(kernels_behind_numpy):  #
     assert not ctx.canary_buf.any()
     assert counters(ctx) == (0, 0, 1)
     assert kernels_behind_numpy.compared == 1
+
+
+def test_position_assert_follows_each_seeded_request_of_a_launch(kernels_behind_numpy):  # noqa: F811
+    """Two seeded requests of two entries each in one launch: every entry's expected
+    position follows its own request's previous entry, not another request's seed."""
+    from builders import make_context, make_write_plan, ring_rows
+
+    ctx = make_context(num_slots=16, chain_position_assert=1)
+    kc.write(ctx, make_write_plan([2, 2], [-1, -1]), input_ids=i64([1, 2, 3, 4]),
+             positions=i64([0, 1, 0, 1]), out_cache_loc=i64([1, 2, 5, 6]))
+    kc.write(ctx, make_write_plan([2, 2], [2, 6]), input_ids=i64([5, 6, 7, 8]),
+             positions=i64([2, 3, 2, 3]), out_cache_loc=i64([3, 4, 7, 8]))
+    assert ring_rows(ctx) == []
+    kc.write(ctx, make_write_plan([2, 2], [4, 8]), input_ids=i64([9, 9, 9, 9]),
+             positions=i64([4, 5, 4, 7]), out_cache_loc=i64([9, 10, 11, 12]))
+    position = int(kc.FailReason.WRITE_POSITION_MISMATCH)
+    assert [(row[1], row[7]) for row in ring_rows(ctx)] == [(12, position)]
+    assert kernels_behind_numpy.compared == 3
+
+
+# --------------------------------------------------------------- audit launches
+
+
+def test_audit_launches_stay_within_chunk_entries(tmp_path):
+    """Requests are grouped into launches of at most ``chunk_entries`` entries (a longer
+    request alone); progress reports the entries done after each launch."""
+    from kvcanary.audit import audit
+    from kvcanary.dump import load, save
+    from test_request_boundaries import clean_batch_arrays  # lengths 4, 5, 0, 0, 3, 6
+
+    dump = load(save(str(tmp_path / "d.npz"), **clean_batch_arrays()))
+    for chunk_entries, launches in [(5, [4, 9, 12, 18]), (9, [9, 18]), (8, [4, 12, 18]),
+                                    (1, [4, 9, 12, 18]), (100, [18])]:
+        done = []
+        result = audit(dump, backend="numpy", chunk_entries=chunk_entries,
+                       progress=lambda d, total: done.append((d, total)))
+        assert result.clean
+        assert done == [(d, 18) for d in launches], chunk_entries
+
+
+# --------------------------------------------------------------- dump keys that come in sets
+
+
+@pytest.mark.parametrize("extra, key, text", [
+    (dict(expected_tokens_valid_lens=np.array([4, 5, 0, 0, 3, 6], np.int64)),
+     "expected_tokens", "missing"),
+    (dict(sweep_slot_indices=np.array([1, 2], np.int64),
+          sweep_prev_slot_indices=np.array([-1], np.int64),
+          sweep_positions=np.array([0, 1], np.int64)),
+     "sweep_prev_slot_indices", "shape"),
+])
+def test_dump_keys_of_one_set_are_checked_together(tmp_path, extra, key, text):
+    """Valid lengths need their token pool; the three sweep arrays share one length."""
+    from kvcanary.dump import DUMP_VERSION, VERSION_KEY, DumpError, load
+    from test_request_boundaries import clean_batch_arrays
+
+    path = str(tmp_path / "d.npz")
+    np.savez(path, **{VERSION_KEY: np.int64(DUMP_VERSION)}, **clean_batch_arrays(), **extra)
+    with pytest.raises(DumpError, match=f"key {key}: .*{text}"):
+        load(path)
+
+
+def test_dump_with_a_window_of_zero_loads_without_a_lut(tmp_path):
+    """swa_window_size 0 is the no-window value, not a negative one."""
+    from kvcanary.dump import load, save
+    from test_request_boundaries import clean_batch_arrays
+
+    dump = load(save(str(tmp_path / "d.npz"), **clean_batch_arrays(),
+                     swa_window_size=np.int64(0)))
+    assert dump.swa_window_size == 0 and dump.full_to_swa_index_mapping is None
