@@ -8,10 +8,10 @@ a comparison flipped (< and <=, > and >=, == and !=, in and not in, is and is no
 arithmetic or bit operator swapped (+ and -, & and |, ^ to |, << and >>), and/or swapped,
 a `not` or unary minus dropped. Kernel mutants flip the comparisons and && / || of the
 .cu/.cuh code lines. Integer constants are not moved: that doubles the count (mostly column
-indices that any test catches) and the run would no longer fit a coffee break. The file is changed in place and restored after
+indices that any test catches). The file is changed in place and restored after
 each run (also on Ctrl-C); kernel builds go to a temporary harness cache.
 
-    python scripts/mutation.py                 # every mutant (about 25 minutes on 2 cores)
+    python scripts/mutation.py                 # every mutant (about an hour on 2 shared cores)
     python scripts/mutation.py --list          # the mutants, without running them
     python scripts/mutation.py --only kvcanary/hashing.py --only kernels/kvc_plan.cu
     python scripts/mutation.py --out mutants.jsonl   # one JSON record per mutant
