@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 
+from .. import arrays as A
 from ..consts import RealKvHashMode
 from ..kernel_source import kernel_dir
 from ..types import check_source_bound as check_bound
@@ -23,7 +24,8 @@ from ..types import check_source_count
 # Kernel source file and entry points of each launch.
 KERNEL_FILES = {
     "verify": ("kvc_verify.cu", ("kvc_verify",)),
-    "write": ("kvc_write.cu", ("kvc_write",)),
+    "write": ("kvc_write.cu", ("kvc_write_seeds", "kvc_write_claims", "kvc_write",
+                               "kvc_write_real_kv")),
     "plan": ("kvc_plan.cu", ("kvc_plan_rows", "kvc_plan_offsets", "kvc_plan_entries")),
 }
 CXX_STANDARD = "c++17"
@@ -110,9 +112,11 @@ def array_pointer(array) -> int:
     return int(array.data.ptr)
 
 
-def pack_sources(context) -> np.void:
-    """The by-value descriptor struct of a launch. Without hashing (mode NONE or no
-    sources) num_sources is 0 and mode NONE, so no descriptor is ever dereferenced."""
+def pack_sources(context) -> np.ndarray:
+    """The by-value descriptor struct of a launch, as a 0-d structured array: CuPy passes a
+    one-element numpy array by value on every version (a ``numpy.void`` scalar is refused
+    by 13.x and by 14.0 above 64 bytes). Without hashing (mode NONE or no sources)
+    num_sources is 0 and mode NONE, so no descriptor is ever dereferenced."""
     dtype = sources_dtype(context.max_real_kv_sources)
     packed = np.zeros((), dtype=dtype)
     sources = context.real_kv_sources
@@ -129,7 +133,7 @@ def pack_sources(context) -> np.void:
         packed["mode"] = int(context.real_kv_hash_mode)
     else:
         packed["mode"] = int(RealKvHashMode.NONE)
-    return packed[()]
+    return packed
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,9 +189,8 @@ def _ring_args(context) -> list:
 
 
 def verify_args(context, plan) -> list:
-    buf = context.canary_buf
     return [
-        buf, _i64(buf.shape[0]), _i64(buf.shape[1]),
+        *_buffer_args(context),
         plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
         plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable,
         _i64(plan.verify_capacity), _i64(context.kernel_kind),
@@ -197,11 +200,33 @@ def verify_args(context, plan) -> list:
     ]
 
 
+def _buffer_args(context) -> list:
+    buf = context.canary_buf
+    return [buf, _i64(buf.shape[0]), _i64(buf.shape[1])]
+
+
+def _batch_args(plan, out_cache_loc) -> list:
+    return [plan.write_offsets, plan.write_num_valid_reqs, _i64(plan.write_req_capacity),
+            out_cache_loc, _i64(out_cache_loc.shape[0])]
+
+
+def write_seeds_args(context, plan, *, out_cache_loc) -> list:
+    return [
+        *_buffer_args(context),
+        plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs,
+        _i64(plan.write_req_capacity), out_cache_loc, _i64(out_cache_loc.shape[0]),
+        plan.seed_links_scratch, plan.seed_positions_scratch,
+    ]
+
+
+def write_claims_args(context, plan, *, out_cache_loc) -> list:
+    return [*_buffer_args(context), *_batch_args(plan, out_cache_loc)]
+
+
 def write_args(context, plan, *, input_ids, positions, out_cache_loc,
                expected_input_tokens=None, expected_input_positions=None) -> list:
-    buf = context.canary_buf
     return [
-        buf, _i64(buf.shape[0]), _i64(buf.shape[1]),
+        *_buffer_args(context),
         plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs,
         _i64(plan.write_req_capacity),
         input_ids, positions, out_cache_loc, _i64(input_ids.shape[0]),
@@ -210,8 +235,12 @@ def write_args(context, plan, *, input_ids, positions, out_cache_loc,
         *_ring_args(context),
         context.slot_run_counter, context.kernel_run_counter,
         context.enable_chain_position_assert,
-        pack_sources(context),
+        plan.seed_links_scratch, plan.seed_positions_scratch,
     ]
+
+
+def write_real_kv_args(context, plan, *, out_cache_loc) -> list:
+    return [*_buffer_args(context), *_batch_args(plan, out_cache_loc), pack_sources(context)]
 
 
 def _table_args(table) -> list:
@@ -267,12 +296,11 @@ class Launcher:
     launch sequence itself is what the CPU tests exercise."""
 
     def __init__(self, run, multiprocessor_count: int, *, threads_per_block: int = THREADS_PER_BLOCK,
-                 write_threads_per_block: int = WRITE_THREADS_PER_BLOCK, zeros=None):
+                 write_threads_per_block: int = WRITE_THREADS_PER_BLOCK):
         self._run = run
         self.multiprocessor_count = int(multiprocessor_count)
         self.threads_per_block = threads_per_block
         self.write_threads_per_block = write_threads_per_block
-        self._zeros = zeros
 
     def _grid(self, work_items: int) -> tuple[int, int]:
         return grid_stride_geometry(work_items, self.multiprocessor_count, self.threads_per_block)
@@ -283,18 +311,28 @@ class Launcher:
 
     def write(self, context, plan, *, input_ids, positions, out_cache_loc,
               expected_input_tokens=None, expected_input_positions=None) -> None:
-        args = write_args(context, plan, input_ids=input_ids, positions=positions,
-                          out_cache_loc=out_cache_loc, expected_input_tokens=expected_input_tokens,
-                          expected_input_positions=expected_input_positions)
-        self._run(("write", context.max_real_kv_sources, False), "kvc_write",
-                  write_geometry(plan.write_req_capacity, self.write_threads_per_block), args)
+        # Four launches, so that the result does not depend on thread order: seeds read
+        # (and claim words cleared) before any slot is claimed, claims complete before any
+        # record is stored, the real-KV hash stored last over the claim word.
+        key = ("write", context.max_real_kv_sources, False)
+        grid = write_geometry(plan.write_req_capacity, self.write_threads_per_block)
+        self._run(key, "kvc_write_seeds", grid,
+                  write_seeds_args(context, plan, out_cache_loc=out_cache_loc))
+        self._run(key, "kvc_write_claims", grid,
+                  write_claims_args(context, plan, out_cache_loc=out_cache_loc))
+        self._run(key, "kvc_write", grid, write_args(
+            context, plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+            expected_input_tokens=expected_input_tokens,
+            expected_input_positions=expected_input_positions))
+        self._run(key, "kvc_write_real_kv", grid,
+                  write_real_kv_args(context, plan, out_cache_loc=out_cache_loc))
 
     def plan(self, *, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify_plan,
              write_plan, swa_window_size=0, full_to_swa_index_mapping=None,
              req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
              kv_token_id_vs_position_offset=0) -> None:
         bs = int(req_pool_indices.shape[0])
-        scratch = self._zeros(bs + 1, like=req_pool_indices)
+        scratch = write_plan.plan_offsets_scratch  # bs + 1 <= write_req_capacity + 1 entries
         key = ("plan", None, False)
         common = dict(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
                       req_to_token=req_to_token, full_to_swa_index_mapping=full_to_swa_index_mapping,
@@ -331,17 +369,16 @@ def module(kernel: str, max_real_kv_sources: int | None, check_expected_token: b
     return cupy.RawModule(code=kernel_source(kernel), options=options)
 
 
+@functools.lru_cache(maxsize=None)
+def kernel_function(kernel: str, max_real_kv_sources: int | None, check_expected_token: bool,
+                    name: str):
+    """One entry point of a module, looked up once (cupy loads it per device itself)."""
+    return module(kernel, max_real_kv_sources, check_expected_token).get_function(name)
+
+
 def _gpu_run(key, name, geometry, args) -> None:
-    kernel, bound, check = key
-    function = module(kernel, bound, check).get_function(name)
     blocks, threads = geometry
-    function((blocks,), (threads,), tuple(args))
-
-
-def _gpu_zeros(n, like):
-    import cupy
-
-    return cupy.zeros(n, dtype=cupy.int64)
+    kernel_function(*key, name)((blocks,), (threads,), tuple(args))
 
 
 @functools.lru_cache(maxsize=None)
@@ -349,25 +386,70 @@ def _launcher(device_id: int) -> Launcher:
     import cupy
 
     count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-    return Launcher(_gpu_run, count, zeros=_gpu_zeros)
+    return Launcher(_gpu_run, count)
 
 
-def _current():
+def launch_device(arrays: dict) -> int:
+    """The one device every array of a launch lives on (``arrays``: name -> cupy array or
+    None, the canary buffer or the plan output first); a clear error when they differ."""
+    first_name, device = None, None
+    for name, array in arrays.items():
+        if array is None:
+            continue
+        here = array.data.device_id
+        if device is None:
+            first_name, device = name, here
+        elif here != device:
+            raise ValueError(
+                f"kv-canary: {name} is on GPU {here} but {first_name} is on GPU {device}; "
+                "every array of a launch must live on the canary buffer's device")
+    return device
+
+
+def _context_arrays(context) -> dict:
+    arrays = {"canary_buf": context.canary_buf, "violation_ring": context.violation_log.ring,
+              "violation_write_index": context.violation_log.write_index,
+              "slot_run_counter": context.slot_run_counter,
+              "kernel_run_counter": context.kernel_run_counter,
+              "enable_chain_position_assert": context.enable_chain_position_assert}
+    for index, source in enumerate(context.real_kv_sources):
+        arrays[f"real_kv_sources[{index}].tensor"] = source.tensor
+    return arrays
+
+
+def _on_device(device_id: int, launch) -> None:
+    """Run ``launch(launcher)`` with ``device_id`` current (cupy launches on the current
+    device and its current stream)."""
     import cupy
 
-    return _launcher(cupy.cuda.Device().id)
+    if cupy.cuda.runtime.getDevice() == device_id:
+        launch(_launcher(device_id))
+        return
+    with cupy.cuda.Device(device_id):
+        launch(_launcher(device_id))
 
 
 def verify(context, plan, *, check_expected_token: bool) -> None:
-    _current().verify(context, plan, check_expected_token=check_expected_token)
+    device = launch_device({**_context_arrays(context), **plan.arrays()})
+    _on_device(device, lambda launcher: launcher.verify(
+        context, plan, check_expected_token=check_expected_token))
 
 
 def write(context, plan, *, input_ids, positions, out_cache_loc, expected_input_tokens=None,
           expected_input_positions=None) -> None:
-    _current().write(context, plan, input_ids=input_ids, positions=positions,
-                     out_cache_loc=out_cache_loc, expected_input_tokens=expected_input_tokens,
-                     expected_input_positions=expected_input_positions)
+    device = launch_device({
+        **_context_arrays(context), **plan.arrays(), "input_ids": input_ids,
+        "positions": positions, "out_cache_loc": out_cache_loc,
+        "expected_input_tokens": expected_input_tokens,
+        "expected_input_positions": expected_input_positions})
+    _on_device(device, lambda launcher: launcher.write(
+        context, plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+        expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions))
 
 
 def plan(**kwargs) -> None:
-    _current().plan(**kwargs)
+    verify_plan, write_plan = kwargs["verify_plan"], kwargs["write_plan"]
+    inputs = {name: value for name, value in kwargs.items() if A.is_cupy_array(value)}
+    device = launch_device({**verify_plan.arrays(), **write_plan.arrays(), **inputs})
+    _on_device(device, lambda launcher: launcher.plan(**kwargs))

@@ -57,8 +57,17 @@ class Fault:
     note: str = ""
 
 
-def parse_inject(specs) -> list:
-    """``["token", "alias:3"]`` -> ``[("token", 1), ("alias", 3)]``; ``all`` means every kind."""
+def inapplicable_kinds(config) -> dict:
+    """Fault kinds that cannot be injected into a workload of ``config``, with the reason."""
+    if config.sources == 0:
+        return {"real-kv-byte": "no real-KV sources (--sources 0)"}
+    return {}
+
+
+def parse_inject(specs, config=None) -> list:
+    """``["token", "alias:3"]`` -> ``[("token", 1), ("alias", 3)]``; ``all`` means every
+    kind that applies to ``config`` (see :func:`inapplicable_kinds`)."""
+    skipped = inapplicable_kinds(config) if config is not None else {}
     result = []
     for spec in specs:
         kind, _, count = spec.partition(":")
@@ -67,7 +76,7 @@ def parse_inject(specs) -> list:
             number = int(count) if count else 1
         except ValueError:
             raise SynthError(f"--inject {spec}: COUNT must be an integer") from None
-        kinds = FAULT_KINDS if kind == "all" else (kind,)
+        kinds = [k for k in FAULT_KINDS if k not in skipped] if kind == "all" else (kind,)
         for name in kinds:
             if name not in FAULT_KINDS:
                 raise SynthError(f"--inject: unknown fault kind {name!r} (one of "
