@@ -82,5 +82,5 @@ def test_each_dump_is_rendered_in_the_chosen_format(dumps, fmt):
         assert lines == []
         return
     records = [json.loads(line)["record"] for line in lines]
-    assert records[0] == "error" and records[1] == "config" and records[-1] == "summary"
-    assert "violation" in records
+    assert records[0] == "error" and records[1] == "config"
+    assert "violation" in records and "summary" in records

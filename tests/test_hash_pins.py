@@ -1,4 +1,4 @@
-"""Hash pins and golden values: spec §2.3, §8.1 and Appendix A, through the public API."""
+"""Hash pins and golden values: docs/format.md §3 and upstream's pinned vectors, through the public API."""
 
 import numpy as np
 import pytest
