@@ -125,6 +125,25 @@ def expected_tokens(pool, valid_lens, batch_row, table_row, position, offset) ->
     return result
 
 
+def verify_entries(table, block_size, lut, row, start, verify_len, total, pool, valid_lens,
+                   offset) -> tuple:
+    """Slot, expected position, predecessor slot and expected token of every entry."""
+    batch_row = np.repeat(np.arange(row.shape[0]), verify_len)
+    offsets = np.cumsum(verify_len) - verify_len
+    position = start[batch_row] + (np.arange(total) - offsets[batch_row])
+    table_row = row[batch_row]
+    if block_size == 1:
+        slot = translate(table_slots(table, table_row, position), lut)
+        prev = np.full(total, -1, dtype=np.int64)
+        has_prev = position > 0
+        prev[has_prev] = translate(
+            table_slots(table, table_row[has_prev], position[has_prev] - 1), lut)
+    else:
+        slot, prev = paged_entries(table, block_size, row, start, verify_len, position, lut)
+    return slot, position, prev, expected_tokens(pool, valid_lens, batch_row, table_row,
+                                                 position, offset)
+
+
 def plan_reference(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
                    verify_plan, write_plan, swa_window_size=0, full_to_swa_index_mapping=None,
                    req_to_verify_expected_tokens=None,
@@ -143,39 +162,30 @@ def plan_reference(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_tok
     verify_len = np.where(active, np.clip(prefix_lens - start, 0, capacity + 1), 0)
     total = int(verify_len.sum())
 
-    if total > capacity:
+    # Every translation (the step that can raise) runs before any output changes, so a
+    # call that raises leaves both plans as they were.
+    entries = None if total > capacity else verify_entries(
+        req_to_token, block_size, lut, row, start, verify_len, total,
+        req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+        kv_token_id_vs_position_offset)
+    seeded = np.flatnonzero(active & (prefix_lens > 0) & (extend_seq_lens > 0))
+    seeds = np.full(bs, -1, dtype=np.int64)
+    seeds[seeded] = translate(
+        table_slots(req_to_token, row[seeded], prefix_lens[seeded] - 1, block_size), lut)
+
+    if entries is None:
         verify_plan.verify_num_valid[0] = capacity
         verify_plan.enable[0] = 0
     else:
         verify_plan.verify_num_valid[0] = total
         verify_plan.enable[0] = 1
-        batch_row = np.repeat(np.arange(bs), verify_len)
-        offsets = np.cumsum(verify_len) - verify_len
-        position = start[batch_row] + (np.arange(total) - offsets[batch_row])
-        table_row = row[batch_row]
-        if block_size == 1:
-            slot = translate(table_slots(req_to_token, table_row, position), lut)
-            prev = np.full(total, -1, dtype=np.int64)
-            has_prev = position > 0
-            prev[has_prev] = translate(
-                table_slots(req_to_token, table_row[has_prev], position[has_prev] - 1), lut)
-        else:
-            slot, prev = paged_entries(req_to_token, block_size, row, start, verify_len,
-                                       position, lut)
-        verify_plan.verify_slot_indices[:total] = slot
-        verify_plan.verify_expected_positions[:total] = position
-        verify_plan.verify_prev_slot_indices[:total] = prev
-        verify_plan.verify_expected_tokens[:total] = expected_tokens(
-            req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
-            batch_row, table_row, position, kv_token_id_vs_position_offset)
+        (verify_plan.verify_slot_indices[:total], verify_plan.verify_expected_positions[:total],
+         verify_plan.verify_prev_slot_indices[:total],
+         verify_plan.verify_expected_tokens[:total]) = entries
 
     write_len = np.where(active, np.maximum(0, extend_seq_lens), 0)
     write_plan.write_offsets[0] = 0
     write_plan.write_offsets[1:bs + 1] = np.cumsum(write_len)
     write_plan.write_offsets[bs + 1:] = 0
-    seeded = np.flatnonzero(active & (prefix_lens > 0) & (extend_seq_lens > 0))
-    seeds = np.full(bs, -1, dtype=np.int64)
-    seeds[seeded] = translate(
-        table_slots(req_to_token, row[seeded], prefix_lens[seeded] - 1, block_size), lut)
     write_plan.write_seed_slot_indices[:bs] = seeds
     write_plan.write_num_valid_reqs[0] = bs
