@@ -198,3 +198,19 @@ def test_cli_synth_block_size_and_audit(tmp_path):
     assert audited.exit_code == 1 and "block-table entry" in audited.output
     bad = runner.invoke(main, ["synth", str(tmp_path / "x.npz"), "--inject", "evicted-block"])
     assert bad.exit_code == 2 and "needs --block-size" in bad.output
+
+
+def test_paged_alias_points_only_at_written_entries(tmp_path):
+    """A campaign miss: the aliased block's entry at the target's offset lay past the other
+    request's length, and the slot still held its previous occupant's record of the same
+    position (only the token differed). Alias now targets written entries only."""
+    config = SynthConfig(requests=21, num_slots=4096, max_running=6, block_size=32,
+                         sources=3, mode="none", chunk_size=7, prompt_len=(16, 96),
+                         output_len=(4, 16), seed=2070196655)
+    synthesis = Synthesis(config).run()
+    for kind in ("stale-reuse", "alias", "lost-write"):
+        synthesis.inject(kind)
+    d = roundtrip(tmp_path, synthesis)
+    outcomes = score(faults_from_dump(d), audit(d, backend="numpy"))
+    assert [(o.kind, o.detected) for o in outcomes] == [
+        ("stale-reuse", True), ("alias", True), ("lost-write", True)]

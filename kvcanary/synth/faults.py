@@ -320,6 +320,10 @@ class FaultInjector:
             if b2 == b or p2 // bs == p // bs:
                 continue
             q = p2 // bs * bs + p % bs      # the other entry our target now reads
+            if q >= other.seq_len:
+                # Not written by the other request yet: the slot may still hold a record of
+                # its block's previous occupant, possibly at position p itself.
+                continue
             target = self._canary_slot(other.row, q)
             if target == 0 or target in self.used_slots or (other.row, q) in self.used_entries:
                 continue
