@@ -42,7 +42,15 @@ from . import dump as dumpio
 from .audit import AuditError, audit, resolve_backend
 from .consts import REAL_KV_PARTIAL_READ_BYTES
 from .interrupt import WorkerPool
-from .synth import FAULT_KINDS, MODES, SynthConfig, SynthError, Synthesis, faults_from_dump, score
+from .synth import (
+    MODES,
+    SynthConfig,
+    SynthError,
+    Synthesis,
+    fault_kinds,
+    faults_from_dump,
+    score,
+)
 from .violations import reason_labels
 
 RULES = ("kvcanary", "compat")
@@ -50,15 +58,24 @@ RULE_WORDS = {"kvcanary": "kvcanary rules (default audit)",
               "compat": "--compat (upstream's rules only)"}
 PAGE_SIZES = (1, 16, 64)
 BYTES_PER_TOKEN = (16, 32, 64)
+# The paged layout (synth --block-size): block sizes, and prompts long enough that a request
+# owns several whole blocks (block faults claim a block and its neighbours).
+LAYOUTS = ("per-token", "paged")
+BLOCK_SIZES = (4, 16, 32)
+PAGED_PROMPT_LEN = (16, 96)
+PAGED_SLOTS = (2048, 4096)
 LOW, HIGH = f"byte < {REAL_KV_PARTIAL_READ_BYTES}", f"byte >= {REAL_KV_PARTIAL_READ_BYTES}"
 
 
 def per_run(kind: str, mode: str) -> int:
     """Faults of one kind per run. The k-th real-kv-byte fault of a run lands in 16-byte
     window k of the slot (modulo its size), so 4 cover a 64-byte slot; partial mode, whose
-    table splits at 16 bytes, gets 8."""
+    table splits at 16 bytes, gets 8. A run has few cached blocks that live requests map,
+    so evicted-block gets 1."""
     if kind == "real-kv-byte":
         return 8 if mode == "partial" else 4
+    if kind == "evicted-block":
+        return 1
     return 3
 
 
@@ -100,8 +117,12 @@ def designed(kind: str, mode: str, scope: str, rules: str):
     return True, ""
 
 
-def all_cells():
-    return [(kind, mode, scope) for kind in FAULT_KINDS for mode in MODES
+def layout_kinds(layout: str) -> tuple:
+    return fault_kinds(layout == "paged")
+
+
+def all_cells(layout: str = "per-token"):
+    return [(kind, mode, scope) for kind in layout_kinds(layout) for mode in MODES
             for scope in scopes(kind, mode)]
 
 
@@ -128,8 +149,18 @@ class Cell:
 # --------------------------------------------------------------------------- workloads
 
 
-def sample_config(rng: np.random.Generator, mode: str, *, clean: bool = False) -> dict:
+def sample_config(rng: np.random.Generator, mode: str, *, clean: bool = False,
+                  layout: str = "per-token") -> dict:
     """A small randomized workload whose every field is a ``kvcanary synth`` option."""
+    config = _sample_per_token(rng, mode, clean)
+    if layout == "paged":   # drawn after the per-token fields: those runs stay as they were
+        block_size = int(rng.choice(BLOCK_SIZES))
+        config.update(page_size=block_size, block_size=block_size,
+                      num_slots=int(rng.choice(PAGED_SLOTS)), prompt_len=PAGED_PROMPT_LEN)
+    return config
+
+
+def _sample_per_token(rng: np.random.Generator, mode: str, clean: bool) -> dict:
     swa = int(rng.integers(24, 65)) if rng.random() < 0.5 else 0
     return dict(
         requests=int(rng.integers(16, 33)),
@@ -151,9 +182,11 @@ def sample_config(rng: np.random.Generator, mode: str, *, clean: bool = False) -
 def synth_command(config: dict, inject=()) -> str:
     """The ``kvcanary synth`` command that rebuilds a run's dump (and its faults)."""
     c = config
+    pages = (["--block-size", c["block_size"]] if c.get("block_size") else
+             ["--page-size", c["page_size"]])
     args = ["kvcanary", "synth", "repro.npz", "--requests", c["requests"],
             "--slots", c["num_slots"], "--max-running", c["max_running"],
-            "--page-size", c["page_size"], "--swa-window", c["swa_window"],
+            *pages, "--swa-window", c["swa_window"],
             "--sources", c["sources"], "--bytes-per-token", c["bytes_per_token"],
             "--mode", c["mode"], "--chunk-size", c["chunk_size"],
             "--prompt-len", "{}..{}".format(*c["prompt_len"]),
@@ -313,6 +346,7 @@ class CampaignReport:
     backends: list
     skipped_backends: dict
     jobs: int
+    layout: str = "per-token"
     cells: dict = field(default_factory=dict)        # (backend, rules, kind, mode, scope) -> Cell
     fault_runs: int = 0
     rounds: int = 0
@@ -377,7 +411,7 @@ class CampaignReport:
             if c.stray:
                 problems.append(f"{label}: {c.stray} faults the canary is not designed to see "
                                 "had findings at their target (faults interacting?)")
-        for kind, mode, scope in all_cells():
+        for kind, mode, scope in all_cells(self.layout):
             injected = self.cell(self.backends[0], RULES[0], kind, mode, scope).injected
             if injected < self.faults_per_kind:
                 problems.append(f"{kind} in mode {mode}: only {injected} faults injected, "
@@ -415,7 +449,8 @@ class CampaignReport:
                          "fault_runs": self.fault_runs, "rounds": self.rounds,
                          "fault_runs_by_setting": {f"{k}={v}": n for (k, v), n in
                                                    sorted(self.mix.items(), key=str)},
-                         "elapsed_s": round(self.elapsed_s, 2), "machine": self.machine},
+                         "elapsed_s": round(self.elapsed_s, 2), "machine": self.machine,
+                         **({"layout": self.layout} if self.layout != "per-token" else {})},
             "cells": rows,
             "false_positives": {"clean_runs": self.clean_runs, "clean_audits": self.clean_audits,
                                 "clean_violations": self.clean_violations,
@@ -431,7 +466,8 @@ class CampaignReport:
 
 def _row_order(key):
     backend, rules, kind, mode, scope = key
-    return (backend, RULES.index(rules), FAULT_KINDS.index(kind), MODES.index(mode), scope)
+    return (backend, RULES.index(rules), layout_kinds("paged").index(kind), MODES.index(mode),
+            scope)
 
 
 def resolve_backends(name: str):
@@ -479,9 +515,12 @@ def _yield(kind: str, mode: str, scope: str, sources_share: float = 0.8) -> floa
 
 def run_campaign(*, faults_per_kind: int = DEFAULT_FAULTS_PER_KIND,
                  clean_runs: int = DEFAULT_CLEAN_RUNS, seed: int = 0,
-                 backend: str = "auto", jobs: int | None = None,
+                 backend: str = "auto", jobs: int | None = None, layout: str = "per-token",
                  progress=None) -> CampaignReport:
-    """Run the campaign; ``progress(phase, done, total)`` is called as runs finish."""
+    """Run the campaign; ``progress(phase, done, total)`` is called as runs finish.
+    ``layout="paged"`` plays paged engines (block tables) with the paged fault forms."""
+    if layout not in LAYOUTS:
+        raise CampaignError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if faults_per_kind < 1:
         raise CampaignError(f"--faults-per-kind must be at least 1, got {faults_per_kind}")
     if clean_runs < 0:
@@ -496,7 +535,7 @@ def run_campaign(*, faults_per_kind: int = DEFAULT_FAULTS_PER_KIND,
     backends, skipped = resolve_backends(backend)
     report = CampaignReport(faults_per_kind=faults_per_kind, clean_runs=clean_runs, seed=seed,
                             backends=backends, skipped_backends=skipped, jobs=jobs,
-                            machine=machine_description())
+                            layout=layout, machine=machine_description())
     with _worker_pool(jobs, cuda="cupy" in backends) as runner:
         _clean_phase(report, runner, progress)
         _fault_phase(report, runner, progress)
@@ -509,8 +548,8 @@ def _clean_phase(report, runner, progress) -> None:
     for index in range(report.clean_runs):
         rng = np.random.default_rng([report.seed, 1, index])
         mode = MODES[int(rng.integers(len(MODES)))]
-        tasks.append({"index": index, "config": sample_config(rng, mode, clean=True),
-                      "backends": report.backends})
+        tasks.append({"index": index, "backends": report.backends,
+                      "config": sample_config(rng, mode, clean=True, layout=report.layout)})
     for done, out in enumerate(runner.map(run_clean_task, tasks), 1):
         report.add_fp(out["fp"])
         _keep(report.false_positives, out["false_positives"])
@@ -526,9 +565,10 @@ def _keep(into: list, items: list) -> None:
 def _fault_phase(report, runner, progress) -> None:
     target = report.faults_per_kind
     injected = Counter()     # (kind, mode, scope) -> faults
+    cells = all_cells(report.layout)
     index = planned = 0   # runs planned so far: a round that falls short plans more
     while True:
-        deficit = {cell: target - injected[cell] for cell in all_cells() if injected[cell] < target}
+        deficit = {cell: target - injected[cell] for cell in cells if injected[cell] < target}
         if not deficit:
             break
         report.rounds += 1
@@ -548,8 +588,8 @@ def _fault_phase(report, runner, progress) -> None:
                 need[k] = max(need[k], math.ceil(n / _yield(k, mode, s)))
             for i in range(max(need.values())):
                 rng = np.random.default_rng([report.seed, 0, index])
-                config = sample_config(rng, mode)
-                inject = [(k, per_run(k, mode)) for k in FAULT_KINDS if need[k] > i
+                config = sample_config(rng, mode, layout=report.layout)
+                inject = [(k, per_run(k, mode)) for k in layout_kinds(report.layout) if need[k] > i
                           and not (k == "real-kv-byte" and config["sources"] == 0)]
                 order = rng.permutation(len(inject)).tolist()
                 tasks.append({"index": index, "config": config, "backends": report.backends,
@@ -559,7 +599,8 @@ def _fault_phase(report, runner, progress) -> None:
         for out in runner.map(run_fault_task, tasks):
             report.fault_runs += 1
             config = tasks[out["index"] - first]["config"]
-            for name in ("page_size", "swa_window", "sources", "bytes_per_token"):
+            for name in (_mix_settings(report.layout)[0][0], "swa_window", "sources",
+                         "bytes_per_token"):
                 value = config[name] if name != "swa_window" else ("on" if config[name] else "off")
                 report.mix[(name, value)] += 1
             report.add_fp(out["fp"])
@@ -589,7 +630,7 @@ def _fired_text(cell: Cell) -> str:
 def table_rows(report: CampaignReport, backend: str, rules: str) -> list:
     """``[kind, mode, injected, detected, rate, checks fired, status]`` per row."""
     rows = []
-    for kind in FAULT_KINDS:
+    for kind in layout_kinds(report.layout):
         for mode in MODES:
             for scope in scopes(kind, mode):
                 c = report.cell(backend, rules, kind, mode, scope)
@@ -616,14 +657,16 @@ def _summary_lines(report: CampaignReport) -> list:
     r = report
     ran = ", ".join(r.backends)
     skipped = "; ".join(f"{b} not run: {why}" for b, why in r.skipped_backends.items())
-    total = sum(r.cell(r.backends[0], RULES[0], *cell).injected for cell in all_cells())
+    total = sum(r.cell(r.backends[0], RULES[0], *cell).injected for cell in all_cells(r.layout))
+    tables = ("page sizes 1/16/64" if r.layout == "per-token" else
+              "paged: block tables of {}-slot blocks".format("/".join(map(str, BLOCK_SIZES))))
     lines = [
         f"seed {r.seed}, {r.faults_per_kind} faults per kind and mode at least, "
         f"{r.clean_runs} clean runs, {r.jobs} job(s), {r.elapsed_s:.1f} s on {r.machine}",
         f"backends: {ran}" + (f" ({skipped})" if skipped else ""),
         f"workloads: {r.fault_runs} fault runs in {r.rounds} round(s), {total} faults "
         f"injected, each audited on every backend with kvcanary's rules and with --compat; "
-        f"page sizes 1/16/64, SWA on and off, 0-4 real-KV sources, modes none/partial/all",
+        f"{tables}, SWA on and off, 0-4 real-KV sources, modes none/partial/all",
         f"false positives: {r.false_positive_count} ({r.clean_violations} violations in "
         f"{r.clean_audits} audits of {r.clean_runs} clean runs, {r.prefault_violations} in "
         f"{r.prefault_audits} audits of fault runs before injection, "
@@ -631,7 +674,7 @@ def _summary_lines(report: CampaignReport) -> list:
         "verify failures)",
         "fault runs by setting: " + "; ".join(
             f"{words} " + ", ".join(f"{value}: {r.mix[(name, value)]}" for value in values)
-            for name, words, values in (("page_size", "page size", PAGE_SIZES),
+            for name, words, values in (*_mix_settings(r.layout),
                                         ("swa_window", "SWA", ("off", "on")),
                                         ("sources", "real-KV sources", range(5)),
                                         ("bytes_per_token", "KV bytes per token",
@@ -640,6 +683,13 @@ def _summary_lines(report: CampaignReport) -> list:
         f"set: {r.shortages}",
     ]
     return lines
+
+
+def _mix_settings(layout: str) -> tuple:
+    """The layout's own setting in the "fault runs by setting" line."""
+    if layout == "paged":
+        return (("block_size", "block size", BLOCK_SIZES),)
+    return (("page_size", "page size", PAGE_SIZES),)
 
 
 def _verdict_lines(report: CampaignReport) -> list:
@@ -666,7 +716,7 @@ def _verdict_lines(report: CampaignReport) -> list:
 
 
 def render_markdown(report: CampaignReport) -> str:
-    out = ["## kvcanary coverage campaign", ""]
+    out = ["## kvcanary coverage campaign" + _layout_title(report), ""]
     out += [f"- {line}" for line in _summary_lines(report)]
     for backend in report.backends:
         for rules in RULES:
@@ -690,7 +740,8 @@ def render_markdown(report: CampaignReport) -> str:
 
 
 def render_text(report: CampaignReport) -> str:
-    out = ["kvcanary coverage campaign"] + [f"  {line}" for line in _summary_lines(report)]
+    out = ["kvcanary coverage campaign" + _layout_title(report)]
+    out += [f"  {line}" for line in _summary_lines(report)]
     for backend in report.backends:
         for rules in RULES:
             rows = [HEADER] + table_rows(report, backend, rules)
@@ -704,6 +755,10 @@ def render_text(report: CampaignReport) -> str:
                     out.append("-" * (sum(widths) + 2 * len(widths) + len("status")))
     out += [""] + _verdict_lines(report)
     return "\n".join(out) + "\n"
+
+
+def _layout_title(report: CampaignReport) -> str:
+    return ", paged layout (block tables)" if report.layout == "paged" else ""
 
 
 def render(report: CampaignReport, fmt: str) -> str:

@@ -61,3 +61,19 @@ def test_small_campaign_is_pinned():
         del data["campaign"][key]
     text = json.dumps(data, sort_keys=True)
     assert hashlib.sha256(text.encode()).hexdigest() == CAMPAIGN_PIN
+
+
+def test_a_copied_synthesis_hashes_the_kv_it_writes():
+    """The campaign injects into ``copy.deepcopy`` of a clean run: the copy's real-KV writes
+    must land in the bytes its canary writes hash (a fault then fires only its own checks)."""
+    import copy
+
+    from kvcanary.audit import audit
+    from kvcanary.campaign import _dump
+
+    clean = Synthesis(SynthConfig(**SMALL, page_size=16, sources=2, seed=3)).run()
+    synthesis = copy.deepcopy(clean)
+    synthesis.inject("stale-reuse", 2)
+    result = audit(_dump(synthesis.arrays()), backend="numpy")
+    assert result.total_violations > 0
+    assert "verify_real_kv_hash" not in result.counts_by_reason

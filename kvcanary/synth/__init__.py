@@ -4,7 +4,8 @@ The parts of a serving engine, one module each:
 
 * ``allocator``: the slot allocator (pages of ``page_size`` slots, LIFO free list, page 0
   never handed out; SWA slots and the full-to-SWA map under a sliding window). Slots are
-  handed out and freed here.
+  handed out and freed here. A paged engine's blocks are its pages.
+* ``tables``: the request-to-slot table, per-token ``req_to_token`` or a block table.
 * ``prefix_cache``: the radix-style prefix cache of full blocks, shared by reference count,
   evicted least recently used.
 * ``workload``: the requests (shared system prompts, follow-ups of earlier conversations).
@@ -23,12 +24,22 @@ launch on the CUDA kernels (the library moves the arrays per launch, so keep suc
 
 from .config import MAX_SEED, MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
 from .engine import Synthesis, synthesize
-from .faults import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, Fault, inapplicable_kinds,
-                     parse_inject)
+from .faults import (
+    EXPECTED_BITS,
+    FAULT_DESCRIPTIONS,
+    FAULT_KINDS,
+    PAGED_FAULT_DESCRIPTIONS,
+    PAGED_FAULT_KINDS,
+    Fault,
+    fault_kinds,
+    inapplicable_kinds,
+    parse_inject,
+)
 from .scoring import FaultOutcome, fault_note, faults_from_dump, score
 
 __all__ = [
-    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MAX_SEED", "MODES", "SOURCE_DTYPES",
-    "Fault", "FaultOutcome", "Stats", "SynthConfig", "SynthError", "Synthesis", "fault_note",
+    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MAX_SEED", "MODES",
+    "PAGED_FAULT_DESCRIPTIONS", "PAGED_FAULT_KINDS", "SOURCE_DTYPES", "Fault", "FaultOutcome",
+    "Stats", "SynthConfig", "SynthError", "Synthesis", "fault_kinds", "fault_note",
     "faults_from_dump", "inapplicable_kinds", "parse_inject", "score", "synthesize",
 ]

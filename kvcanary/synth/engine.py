@@ -36,7 +36,7 @@ class Synthesis:
         self.injector = FaultInjector(self)
 
     # The state readers (tests, the CLI, fault injection) look at.
-    table = property(lambda self: self.scheduler.table)
+    table = property(lambda self: self.scheduler.table.array)   # req_to_token or block_table
     token_pool = property(lambda self: self.scheduler.token_pool)
     running = property(lambda self: self.scheduler.running)
     admitted = property(lambda self: self.scheduler.admitted)

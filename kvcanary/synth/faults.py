@@ -4,6 +4,12 @@ Each fault targets a request-owned live entry (not shared with another request o
 cache) and its own slot, never next to another target of the same request, so faults of one
 run never interact: a fault that changes a record breaks its successor's chain link, and that
 successor is never another fault's target.
+
+A paged engine (``block_size > 0``) loses whole blocks: its table faults change a block-table
+entry (every position of the block goes wrong, and none of them, nor the entry after the
+block, is another fault's target), ``stale-reuse`` rewrites a whole block, and
+``evicted-block`` (paged only) takes a prefix-cache block that live requests still map out of
+the cache and rewrites it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,15 @@ FAULT_DESCRIPTIONS = {
     "slot-zero": "a live table entry mapped to padding slot 0",
     "lost-write": "a token's canary record and KV never written",
 }
+PAGED_FAULT_KINDS = FAULT_KINDS + ("evicted-block",)
+PAGED_FAULT_DESCRIPTIONS = {
+    **FAULT_DESCRIPTIONS,
+    "alias": "a block-table entry points at another request's block",
+    "swap": "two block-table entries of one request exchanged",
+    "stale-reuse": "a block freed while still referenced, reallocated and rewritten",
+    "slot-zero": "a live block-table entry set to the null block 0",
+    "evicted-block": "a cached block evicted while live requests map it, then rewritten",
+}
 # Bits that must be present at the fault's target entry for it to count as detected.
 EXPECTED_BITS = {
     "token": FailReason.VERIFY_TOKEN_MISMATCH,
@@ -41,7 +56,13 @@ EXPECTED_BITS = {
     "stale-reuse": FailReason.VERIFY_POSITION_MISMATCH,
     "slot-zero": FailReason.SLOT_ZERO_IN_PREFIX,
     "lost-write": FailReason.VERIFY_POSITION_MISMATCH | FailReason.VERIFY_CHAIN_HASH_MISMATCH,
+    "evicted-block": FailReason.VERIFY_POSITION_MISMATCH,
 }
+
+
+def fault_kinds(paged: bool) -> tuple:
+    """The fault kinds of a layout."""
+    return PAGED_FAULT_KINDS if paged else FAULT_KINDS
 
 
 @dataclass
@@ -66,8 +87,10 @@ def inapplicable_kinds(config) -> dict:
 
 def parse_inject(specs, config=None) -> list:
     """``["token", "alias:3"]`` -> ``[("token", 1), ("alias", 3)]``; ``all`` means every
-    kind that applies to ``config`` (see :func:`inapplicable_kinds`)."""
+    kind of the layout that applies to ``config`` (see :func:`fault_kinds` and
+    :func:`inapplicable_kinds`)."""
     skipped = inapplicable_kinds(config) if config is not None else {}
+    layout = fault_kinds(config is not None and config.paged)
     result = []
     for spec in specs:
         kind, _, count = spec.partition(":")
@@ -76,15 +99,19 @@ def parse_inject(specs, config=None) -> list:
             number = int(count) if count else 1
         except ValueError:
             raise SynthError(f"--inject {spec}: COUNT must be an integer") from None
-        kinds = [k for k in FAULT_KINDS if k not in skipped] if kind == "all" else (kind,)
+        kinds = [k for k in layout if k not in skipped] if kind == "all" else (kind,)
         for name in kinds:
-            if name not in FAULT_KINDS:
-                raise SynthError(f"--inject: unknown fault kind {name!r} (one of "
-                                 f"{', '.join(FAULT_KINDS)}, or all)")
+            if name not in layout:
+                raise SynthError(_unknown_kind(name, layout) + ", or all)")
             if number < 1:
                 raise SynthError(f"--inject {spec}: COUNT must be at least 1")
             result.append((name, number))
     return result
+
+
+def _unknown_kind(name: str, kinds) -> str:
+    paged = " (needs --block-size)" if name in PAGED_FAULT_KINDS else ""
+    return f"--inject: unknown fault kind {name!r}{paged} (one of {', '.join(kinds)}"
 
 
 class FaultInjector:
@@ -97,17 +124,17 @@ class FaultInjector:
 
     def inject(self, kind: str, count: int) -> list:
         s = self.s
-        if kind not in FAULT_KINDS:
-            raise SynthError(f"--inject: unknown fault kind {kind!r} (one of "
-                             f"{', '.join(FAULT_KINDS)})")
+        if kind not in fault_kinds(s.config.paged):
+            raise SynthError(_unknown_kind(kind, fault_kinds(s.config.paged)) + ")")
         if count < 1:
             raise SynthError(f"--inject {kind}: COUNT must be at least 1, got {count}")
         if kind == "real-kv-byte" and not s.sources:
             raise SynthError("--inject real-kv-byte needs at least one real-KV source "
                              "(--sources >= 1)")
         made = []
+        layout = "_paged" if s.config.paged and kind in _BLOCK_FORMS else ""
         for _ in range(count):
-            fault = getattr(self, "_inject_" + kind.replace("-", "_"))(len(made))
+            fault = getattr(self, "_inject_" + kind.replace("-", "_") + layout)(len(made))
             s.faults.append(fault)
             made.append(fault)
         return made
@@ -131,25 +158,38 @@ class FaultInjector:
                              "use more requests or longer prompts")
         return np.concatenate(batch), np.concatenate(positions)
 
-    def _canary_slot(self, row: int, position: int) -> int:
+    def _canary_slots(self, row: int, start: int, stop: int) -> np.ndarray:
         s = self.s
-        return int(s.allocator.canary_slots(np.array([s.table[row, position]], np.int64))[0])
+        return s.allocator.canary_slots(s.scheduler.table.slots(row, start, stop))
 
-    def _pick(self, extra_filter=None):
+    def _canary_slot(self, row: int, position: int) -> int:
+        return int(self._canary_slots(row, position, position + 1)[0])
+
+    def _block_span(self, p: int) -> tuple:
+        bs = self.s.config.block_size
+        return p // bs * bs, (p // bs + 1) * bs
+
+    def _pick(self, extra_filter=None, block=False):
+        """A fresh target ``(batch index, position, canary slot)``; with ``block`` the whole
+        block of the position is claimed (a paged table fault)."""
         s, used = self.s, self.used_entries
         batch, positions = self._candidates()
         order = s.rng.permutation(batch.shape[0])
         for i in order.tolist():
             b, p = int(batch[i]), int(positions[i])
             request = s.running[b]
-            if any((request.row, q) in used for q in (p - 1, p, p + 1)):
+            low, high = self._block_span(p) if block else (p, p + 1)
+            if any((request.row, q) in used for q in range(low - 1, high + 1)):
                 continue
             slot = self._canary_slot(request.row, p)
             if slot in self.used_slots or slot == 0:
                 continue
             if extra_filter and not extra_filter(b, p, slot):
                 continue
-            used.add((request.row, p))
+            used.update((request.row, q) for q in range(low, high))
+            if block:
+                written = self._canary_slots(request.row, low, min(high, request.seq_len))
+                self.used_slots.update(written[written != 0].tolist())
             self.used_slots.add(slot)
             return b, p, slot
         raise SynthError("ran out of distinct live entries to inject faults into; use more "
@@ -262,15 +302,117 @@ class FaultInjector:
         s = self.s
         b, p, slot = self._pick()
         new_position = p + 1 + int(s.rng.integers(1, 64))
-        token = s.workload.tokens(1).astype(np.int64)
-        positions = np.array([new_position], dtype=np.int64)
-        slots = np.array([slot], dtype=np.int64)
-        s.pool.write_kv(slots, token, positions)
-        plan = WritePlan(write_offsets=np.array([0, 1], dtype=np.int64),
-                         write_seed_slot_indices=np.array([-1], dtype=np.int64),
-                         write_num_valid_reqs=np.array([1], dtype=np.int32))
-        api.write(s.pool.context, plan, input_ids=token, positions=positions,
-                  out_cache_loc=slots, backend=s.config.backend)
-        s.pool.write_count[slot] += 1
+        self._rewrite(np.array([slot], dtype=np.int64), new_position)
         return self._fault("stale-reuse", b, p, slot, detail=new_position,
                            note=f"rewritten as position {new_position} of another sequence")
+
+    # ------------------------------------------------------------------ paged forms
+
+    def _inject_alias_paged(self, k):
+        s = self.s
+        table, bs = s.scheduler.table.array, s.config.block_size
+        b, p, slot = self._pick(block=True)
+        request = s.running[b]
+        batch, positions = self._candidates()
+        for i in s.rng.permutation(batch.shape[0]).tolist():
+            b2, p2 = int(batch[i]), int(positions[i])
+            other = s.running[b2]
+            if b2 == b or p2 // bs == p // bs:
+                continue
+            q = p2 // bs * bs + p % bs      # the other entry our target now reads
+            target = self._canary_slot(other.row, q)
+            if target == 0 or target in self.used_slots or (other.row, q) in self.used_entries:
+                continue
+            self.used_slots.add(target)
+            self.used_entries.add((other.row, q))
+            block = int(table[other.row, p2 // bs])
+            table[request.row, p // bs] = block
+            return self._fault("alias", b, p, slot, detail=target,
+                               note=f"block-table entry {p // bs} now holds block {block} of "
+                                    f"request row {other.row} (its entry {p2 // bs})")
+        raise SynthError("alias needs a second live request with an owned entry")
+
+    def _inject_swap_paged(self, k):
+        s = self.s
+        table, bs = s.scheduler.table.array, s.config.block_size
+        b, p, slot = self._pick(block=True)
+        b2, p2, _ = self._pick(lambda bb, pp, ss: bb == b and pp % bs == p % bs, block=True)
+        row, k1, k2 = s.running[b].row, p // bs, p2 // bs
+        table[row, k1], table[row, k2] = table[row, k2], table[row, k1]
+        return self._fault("swap", b, p, slot, detail=p2,
+                           note=f"block-table entries {k1} and {k2} exchanged")
+
+    def _inject_slot_zero_paged(self, k):
+        b, p, slot = self._pick(block=True)
+        self.s.scheduler.table.array[self.s.running[b].row, p // self.s.config.block_size] = 0
+        return self._fault("slot-zero", b, p, slot,
+                           note="block-table entry set to the null block 0; seen only by "
+                                "kvcanary's SLOT_ZERO_IN_PREFIX extension")
+
+    def _rewrite(self, slots: np.ndarray, first_position: int) -> None:
+        """Another sequence's tokens written into ``slots`` (canary slots) as positions
+        ``first_position ..``: what a reallocated block holds."""
+        s = self.s
+        n = int(slots.shape[0])
+        tokens = s.workload.tokens(n).astype(np.int64)
+        positions = first_position + np.arange(n, dtype=np.int64)
+        s.pool.write_kv(slots, tokens, positions)
+        plan = WritePlan(write_offsets=np.array([0, n], dtype=np.int64),
+                         write_seed_slot_indices=np.array([-1], dtype=np.int64),
+                         write_num_valid_reqs=np.array([1], dtype=np.int32))
+        api.write(s.pool.context, plan, input_ids=tokens, positions=positions,
+                  out_cache_loc=slots, backend=s.config.backend)
+        s.pool.write_count[slots] += 1
+
+    def _inject_stale_reuse_paged(self, k):
+        s = self.s
+        b, p, slot = self._pick(block=True)
+        request = s.running[b]
+        low, high = self._block_span(p)
+        slots = self._canary_slots(request.row, low, min(high, request.seq_len))
+        new_position = high + int(s.rng.integers(1, 64))
+        self._rewrite(slots[slots != 0], new_position)
+        return self._fault("stale-reuse", b, p, slot, detail=new_position,
+                           note=f"block freed and reallocated: rewritten from position "
+                                f"{new_position} of another sequence")
+
+    def _inject_evicted_block(self, k):
+        """A cached block that live requests map is evicted (as if its reference count had
+        dropped to 0) with the cached blocks below it, reallocated and rewritten. Every live
+        request mapping it is affected: its positions in the block and the entry after it are
+        claimed."""
+        s, W = self.s, self.s.config.swa_window
+        B = s.cache.block_tokens
+        blocks = [block for block in s.cache.values() if block.refs > 0]
+        for i in s.rng.permutation(len(blocks)).tolist():
+            block = blocks[i]
+            low, high = block.depth * B, (block.depth + 1) * B
+            mapping = [(b, r) for b, r in enumerate(s.running) if block in r.blocks]
+            if not mapping or any((r.row, q) in self.used_entries
+                                  for _, r in mapping for q in range(low - 1, high + 1)):
+                continue
+            b, request = mapping[0]
+            start = max(low, 1, request.seq_len - W if W else 0)
+            if start >= high:
+                continue    # the block has left the request's window
+            p = start + int(s.rng.integers(high - start))
+            slots = s.allocator.canary_slots(block.slots.astype(np.int64))
+            slot = int(slots[p - low])
+            if slot == 0 or self.used_slots.intersection(slots.tolist()):
+                continue
+            for _, r in mapping:
+                self.used_entries.update((r.row, q) for q in range(low, high))
+            self.used_slots.update(slots[slots != 0].tolist())
+            s.cache.drop_subtree(block)
+            new_position = high + int(s.rng.integers(1, 64))
+            self._rewrite(slots[slots != 0], new_position)
+            return self._fault("evicted-block", b, p, slot, detail=new_position,
+                               note=f"cached block at positions {low}..{high - 1} evicted while "
+                                    f"{len(mapping)} live request(s) map it; rewritten from "
+                                    f"position {new_position}")
+        raise SynthError("evicted-block needs a live request that maps a cached leaf block "
+                         "inside its window; use more requests or shared prefixes")
+
+
+# Table and allocator faults whose paged form loses a whole block.
+_BLOCK_FORMS = ("alias", "swap", "stale-reuse", "slot-zero")
