@@ -94,3 +94,23 @@ def test_unchanged_repeat_still_launches():
         launch("write", ctx, verify_plan, write_plan)
         launch("verify", ctx, verify_plan, write_plan)
     assert int(ctx.kernel_run_counter[0]) == 6
+
+
+def test_unchanged_repeat_checks_only_the_step_arrays(monkeypatch):
+    # What makes a decode-step call cheap: the plan's and context's arrays, unchanged since
+    # they passed, are not checked again; the step's own token arrays always are.
+    from kvcanary import arrays as A
+
+    ctx, verify_plan, write_plan = objects()
+    launch("write", ctx, verify_plan, write_plan)
+    launch("verify", ctx, verify_plan, write_plan)
+    checked = []
+    real_check_array = A.check_array
+    monkeypatch.setattr(A, "check_array", lambda x, name, *rest: (
+        checked.append(name), real_check_array(x, name, *rest)))
+    launch("write", ctx, verify_plan, write_plan)
+    launch("verify", ctx, verify_plan, write_plan)
+    assert checked == ["input_ids", "positions", "out_cache_loc"]
+    write_plan.write_num_valid_reqs = np.ones(1, np.int32)
+    launch("write", ctx, verify_plan, write_plan)
+    assert "plan.write_num_valid_reqs" in checked
