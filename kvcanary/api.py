@@ -153,8 +153,7 @@ def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_
             _check_token_array(array, name, length)
     context.validate()
     A.check_writeable(context.canary_buf, "canary_buf")
-    library = A.same_library("canary_buf", context.canary_buf, **tokens, **expected,
-                             **plan.arrays(), **_context_arrays(context))
+    library = _same_library(context, plan, **tokens, **expected)
     _run(backend or library, library, "write",
          dict(context=context, plan=plan, **tokens, **expected))
 
@@ -166,10 +165,20 @@ def verify(context: CanaryContext, plan: VerifyPlan, *, check_expected_token: bo
     A.check_contiguous(context.canary_buf, "canary_buf")
     plan.validate()
     context.validate()
-    library = A.same_library("canary_buf", context.canary_buf, **plan.arrays(),
-                             **_context_arrays(context))
+    library = _same_library(context, plan)
     _run(backend or library, library, "verify",
          dict(context=context, plan=plan, check_expected_token=bool(check_expected_token)))
+
+
+def _same_library(context: CanaryContext, plan, **arrays) -> str:
+    """``arrays``, the plan's and the context's arrays all of canary_buf's library. A plan
+    and context that passed ``validate`` know whether theirs are all of one library: then
+    only ``arrays`` are compared, and any mismatch is the one the full comparison names."""
+    library = A.library_of(context.canary_buf)
+    if plan.library() == library == context.library():
+        return A.same_library("canary_buf", context.canary_buf, **arrays)
+    return A.same_library("canary_buf", context.canary_buf, **arrays, **plan.arrays(),
+                          **_context_arrays(context))
 
 
 def _context_arrays(context: CanaryContext) -> dict:

@@ -11,13 +11,21 @@ import numpy as np
 from . import dlpack
 
 
+_LIBRARIES: dict = {}  # type -> "cupy" or "numpy", learnt once: asked of every argument
+
+
+def _library_of_type(kind) -> str:
+    library = _LIBRARIES[kind] = "cupy" if kind.__module__.split(".")[0] == "cupy" else "numpy"
+    return library
+
+
 def is_cupy_array(x) -> bool:
-    return type(x).__module__.split(".")[0] == "cupy"
+    return (_LIBRARIES.get(type(x)) or _library_of_type(type(x))) == "cupy"
 
 
 def library_of(x) -> str:
     """``"numpy"`` or ``"cupy"``: the backend an (already converted) array selects."""
-    return "cupy" if is_cupy_array(x) else "numpy"
+    return _LIBRARIES.get(type(x)) or _library_of_type(type(x))
 
 
 def as_array(x, name: str, *, untyped_as_bytes: bool = False):
@@ -113,9 +121,15 @@ def _unit_last_stride(shape, strides, unit) -> bool:
     return not shape or shape[-1] <= 1 or strides[-1] == unit
 
 
+_DTYPES: dict = {}  # the dtypes a check allows, as numpy dtypes, converted once
+
+
 def check_dtype(x, name: str, *dtypes) -> None:
-    if x.dtype not in tuple(np.dtype(d) for d in dtypes):
-        wanted = " or ".join(str(np.dtype(d)) for d in dtypes)
+    allowed = _DTYPES.get(dtypes)
+    if allowed is None:
+        allowed = _DTYPES[dtypes] = tuple(np.dtype(d) for d in dtypes)
+    if x.dtype not in allowed:
+        wanted = " or ".join(str(d) for d in allowed)
         raise ValueError(f"kv-canary: {name} must have dtype {wanted}, got {x.dtype}")
 
 
@@ -148,6 +162,23 @@ def check_aligned(x, name: str, alignment: int | None = None) -> None:
                          f"starting {data_address(x) % alignment} byte(s) past a boundary")
 
 
+def array_state(x):
+    """What the checks above read of an array, as plain values (type, shape, strides, dtype,
+    data address, numpy's writeability): two arrays with equal states pass or fail the same
+    checks, so a state that passed once needs no re-check. Never the array itself, whose
+    ``==`` compares elements. Anything that is not an array gets a state equal to nothing,
+    so it is always checked."""
+    kind = type(x)
+    try:
+        if (_LIBRARIES.get(kind) or _library_of_type(kind)) == "cupy":
+            return (kind, x.shape, x.strides, x.dtype, x.data.ptr)
+        if isinstance(x, np.ndarray):
+            return (kind, x.shape, x.strides, x.dtype, data_address(x), x.flags.writeable)
+    except AttributeError:  # a cupy object that is not an array
+        pass
+    return object()
+
+
 def check_writeable(x, name: str) -> None:
     """Launch outputs are written in place: a read-only array is refused, never written."""
     if isinstance(x, np.ndarray) and not x.flags.writeable:
@@ -166,6 +197,11 @@ def check_int64(value, name: str) -> int:
 
 def check_array(x, name: str, dtypes, ndim: int, length: int | None = None) -> None:
     """The usual checks of a kernel argument, in upstream's order of messages."""
+    allowed = _DTYPES.get(dtypes)
+    if (allowed is not None and x.flags.c_contiguous and x.dtype in allowed and x.ndim == ndim
+            and (length is None or x.shape[0] == length)
+            and not (x.size and data_address(x) % x.dtype.itemsize)):
+        return  # all pass, tested at once (launches run this per argument); else find which
     check_contiguous(x, name)
     check_dtype(x, name, *dtypes)
     check_aligned(x, name)
@@ -177,10 +213,17 @@ def check_array(x, name: str, dtypes, ndim: int, length: int | None = None) -> N
 def same_library(reference_name: str, reference, **arrays) -> str:
     """All given arrays must belong to the library of ``reference``; returns its name."""
     library = library_of(reference)
+    libraries = _LIBRARIES
     for name, array in arrays.items():
-        if array is not None and library_of(array) != library:
+        if array is not None and (libraries.get(type(array)) or library_of(array)) != library:
             raise ValueError(
                 f"kv-canary: {name} is a {library_of(array)} array but {reference_name} is a "
                 f"{library} array; pass arrays of one library (or convert them)"
             )
     return library
+
+
+def common_library(*arrays) -> str | None:
+    """The one library of ``arrays`` (None entries aside), or None when they mix."""
+    libraries = {library_of(array) for array in arrays if array is not None}
+    return libraries.pop() if len(libraries) == 1 else None

@@ -233,8 +233,65 @@ def check_function_cache(cupy) -> dict:
     return {"lookups": "ok" if lookups == ["kvc_write_seeds", "kvc_write"] else str(lookups)}
 
 
+def _launch_world(kc, name: str, world: World) -> None:
+    if name == "verify":
+        kc.verify(world.context, world.verify_plan)
+    else:
+        kc.write(world.context, world.write_plan, **world.token_inputs())
+
+
+def _set_shape(array, shape) -> None:
+    array.shape = shape  # the one cupy array attribute settable in place
+
+
+REPEAT_CHANGES = {  # case: (launch, change to a World)
+    "verify plan shape in place": ("verify", lambda w: _set_shape(
+        w.verify_plan.verify_slot_indices, (w.capacity // 2, 2))),
+    "verify plan array replaced": ("verify", lambda w: setattr(
+        w.verify_plan, "enable", w.device(1))),
+    "write plan array replaced": ("write", lambda w: setattr(
+        w.write_plan, "write_offsets", w.device(w.bs))),
+    "counter replaced": ("verify", lambda w: setattr(
+        w.context, "kernel_run_counter", w.device(2))),
+    "source layout changed": ("write", lambda w: setattr(
+        w.context.real_kv_sources[0], "page_size", 2)),
+    "ring of another library": ("verify", lambda w: setattr(
+        w.context.violation_log, "ring", np.zeros((8, 8), np.int64))),
+    "plan array of another library": ("write", lambda w: setattr(
+        w.write_plan, "write_num_valid_reqs", np.zeros(1, np.int32))),
+}
+
+
+def check_repeat_launch(cupy) -> dict:
+    """After a launch that passed, each changed argument is checked again: the error is the
+    one a first launch with the change gives."""
+    import kvcanary as kc
+
+    def error(name, world):
+        try:
+            _launch_world(kc, name, world)
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
+    results = {}
+    with stub_backend(cupy):
+        for case, (name, change) in REPEAT_CHANGES.items():
+            fresh = World(cupy)
+            change(fresh)
+            expected = error(name, fresh)
+            reused = World(cupy)
+            _launch_world(kc, name, reused)
+            _launch_world(kc, name, reused)
+            change(reused)
+            got = error(name, reused)
+            results[case] = ("ok" if got == expected != "no error"
+                             else f"after a launch {got!r}, first launch {expected!r}")
+    return results
+
+
 CHECKS = {"conversion": check_conversion, "mixed_devices": check_mixed_devices,
-          "function_cache": check_function_cache}
+          "function_cache": check_function_cache, "repeat_launch": check_repeat_launch}
 
 
 def run_checks(cupy) -> dict:

@@ -33,7 +33,7 @@ def cupy_paths() -> list[str]:
     return [p for p in os.environ.get("KVCANARY_CUPY_PATHS", "").split(os.pathsep) if p]
 
 
-CHECKS = ("conversion", "mixed_devices", "function_cache")
+CHECKS = ("conversion", "mixed_devices", "function_cache", "repeat_launch")
 
 
 def assert_passed(cupy_version: str, check: str, cases: dict) -> None:
