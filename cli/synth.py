@@ -64,10 +64,11 @@ def make_config(mode: str, **values):
               show_default=True,
               help="Backend of every plan/write/verify launch (cupy moves the arrays per "
                    "launch: keep such runs small).")
-@click.option("--inject", multiple=True, metavar="KIND[:COUNT]",
+@click.option("--inject", multiple=True, metavar="KIND[:COUNT][@CLASS]",
               help="Inject a fault after the run (repeatable; KIND 'all' for every kind): "
                    "token, position, prev-hash, real-kv-byte, alias, swap, stale-reuse, "
-                   "slot-zero, lost-write.")
+                   "slot-zero, lost-write; at target CLASS (default interior): head, "
+                   "interior, last, chunk-boundary, window-head, shared, cached.")
 def synth_command(out, mode, backend, inject, **values):
     """Simulate serving and write the canary dump OUT (.npz, .safetensors or a directory)."""
     from kvcanary import dump
@@ -88,8 +89,8 @@ def synth_command(out, mode, backend, inject, **values):
             synthesis.run(progress=progress)
         finally:
             progress.close()
-        for kind, count in faults:
-            synthesis.inject(kind, count)
+        for kind, count, target in faults:
+            synthesis.inject(kind, count, target)
         dump.save(out, **synthesis.arrays())
     s = synthesis.stats
     rows, seq_lens = synthesis.live()

@@ -10,7 +10,7 @@ import numpy as np
 from .allocator import SlotAllocator
 from .config import Stats, SynthConfig, SynthError
 from .dump_writer import dump_arrays, live_requests, sweep_entries
-from .faults import FaultInjector
+from .faults import DEFAULT_TARGET, FaultInjector
 from .kv_pool import KvPool
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
@@ -66,9 +66,14 @@ class Synthesis:
     def _step(self) -> None:
         self.scheduler.step()
 
-    def inject(self, kind: str, count: int = 1) -> list:
-        """Inject ``count`` faults of ``kind`` into the final state; returns them."""
-        return self.injector.inject(kind, count)
+    def inject(self, kind: str, count: int = 1, target: str = DEFAULT_TARGET) -> list:
+        """Inject ``count`` faults of ``kind`` at ``target`` entries of the final state (a
+        SynthError when fewer fit); returns them."""
+        return self.injector.inject(kind, count, target)
+
+    def inject_up_to(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
+        """Inject at most ``count`` faults, as many as there are free ``target`` entries."""
+        return self.injector.inject_up_to(kind, count, target)
 
     def live(self) -> tuple:
         return live_requests(self.running)
@@ -81,8 +86,8 @@ class Synthesis:
 
 
 def synthesize(config: SynthConfig, inject=(), progress=None) -> Synthesis:
-    """Run the simulation, then inject ``[(kind, count), ...]``."""
+    """Run the simulation, then inject ``[(kind, count[, target class]), ...]``."""
     synthesis = Synthesis(config).run(progress=progress)
-    for kind, count in inject:
-        synthesis.inject(kind, count)
+    for kind, count, *target in inject:
+        synthesis.inject(kind, count, *target)
     return synthesis

@@ -1,14 +1,24 @@
 """Fault injection into a finished run's state, with ground truth.
 
-Each fault targets a request-owned live entry (not shared with another request or the prefix
-cache) and its own slot, never next to another target of the same request, so faults of one
-run never interact: a fault that changes a record breaks its successor's chain link, and that
-successor is never another fault's target.
+A fault has a kind (what goes wrong) and a target class (where: a request's head, a shared
+prefix-cache block, a window edge, ...). Its ground truth is the list of *sites*, the verify
+entries that read what the fault changed, each with the bits it must fire there: every live
+request that maps a changed record (and the prefix cache's sweep entry of it), or the one
+entry whose table slot changed.
+
+Faults of one injector never interact: a target's slot is never another target's slot or a
+chain neighbour of one (in any request row or sweep chain), because a changed record breaks
+its successor's chain link. Candidates are filtered without random draws and a failed pick
+gives its draws back, so ``inject(kind, n)`` after ``k`` placed faults of a kind that ran out
+leaves the generator exactly where ``inject(kind, k)`` would have.
+
+A target class is a mask over the verify entries of the final state (``_class_masks``); a
+paged layout's block classes (first and last slot of a block) are two more masks there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,6 +26,7 @@ from .. import api
 from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
 from ..types import WritePlan
 from .config import SynthError
+from .prefix_cache import SweepIndex
 
 FAULT_KINDS = ("token", "position", "prev-hash", "real-kv-byte", "alias", "swap",
                "stale-reuse", "slot-zero", "lost-write")
@@ -30,7 +41,19 @@ FAULT_DESCRIPTIONS = {
     "slot-zero": "a live table entry mapped to padding slot 0",
     "lost-write": "a token's canary record and KV never written",
 }
-# Bits that must be present at the fault's target entry for it to count as detected.
+TARGET_CLASSES = ("head", "interior", "last", "chunk-boundary", "window-head", "shared",
+                  "cached")
+DEFAULT_TARGET = "interior"
+TARGET_DESCRIPTIONS = {
+    "head": "position 0 of a live request (owned, or the first slot of a shared prefix)",
+    "interior": "a request-owned entry whose predecessor and successor are verified",
+    "last": "a live request's last written token (it has no successor)",
+    "chunk-boundary": "the first token of a later chunk of a chunked prefill",
+    "window-head": "the first entry of a sliding window, its predecessor's SWA slot freed",
+    "shared": "a slot of a prefix-cache block that live requests map",
+    "cached": "a slot of a prefix-cache block no live request maps (a sweep entry only)",
+}
+# Bits a fault fires at an interior target (other targets: :func:`site_bits`).
 EXPECTED_BITS = {
     "token": FailReason.VERIFY_TOKEN_MISMATCH,
     "position": FailReason.VERIFY_POSITION_MISMATCH,
@@ -42,6 +65,39 @@ EXPECTED_BITS = {
     "slot-zero": FailReason.SLOT_ZERO_IN_PREFIX,
     "lost-write": FailReason.VERIFY_POSITION_MISMATCH | FailReason.VERIFY_CHAIN_HASH_MISMATCH,
 }
+REQUEST, SWEEP = "request", "sweep"
+
+
+def site_bits(kind: str, entry: str, position: int, prev: int, real_kv_visible: bool) -> int:
+    """The bits a fault of ``kind`` must fire at one verify entry it changed: a request entry
+    or a sweep entry at ``position`` whose predecessor slot is ``prev`` (-1: chain head, 0:
+    unreachable, its chain check vacuous)."""
+    if kind == "token":
+        # Sweep entries carry no expected token: the prefix cache keeps no token pool.
+        return int(FailReason.VERIFY_TOKEN_MISMATCH) if entry == REQUEST else 0
+    if kind == "prev-hash":
+        return int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) if prev != 0 else 0
+    if kind == "real-kv-byte":
+        return int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH) if real_kv_visible else 0
+    if kind == "slot-zero":
+        # Verify skips slot 0 as unfilled; the extension flags it in live requests only.
+        return int(FailReason.SLOT_ZERO_IN_PREFIX) if entry == REQUEST else 0
+    if kind == "lost-write":
+        # A zero record holds position 0 and chain link 0.
+        return ((int(FailReason.VERIFY_POSITION_MISMATCH) if position != 0 else 0)
+                | (int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) if prev != 0 else 0))
+    return int(EXPECTED_BITS[kind])
+
+
+@dataclass(frozen=True)
+class Site:
+    """A verify entry a fault changed: ``entry`` is ``request`` (``request_row``, ``position``)
+    or ``sweep`` (``position``, ``slot``); ``slot`` is what the entry reads after the fault."""
+    entry: str
+    request_row: int
+    position: int
+    slot: int
+    bits: int
 
 
 @dataclass
@@ -55,27 +111,56 @@ class Fault:
     visible: bool
     detail: int = -1
     note: str = ""
+    target: str = DEFAULT_TARGET
+    sites: tuple = field(default_factory=tuple)
 
 
 def parse_inject(specs) -> list:
-    """``["token", "alias:3"]`` -> ``[("token", 1), ("alias", 3)]``; ``all`` means every kind."""
+    """``["token", "alias:3@head"]`` -> ``[("token", 1, "interior"), ("alias", 3, "head")]``;
+    kind ``all`` means every kind, class ``all`` every target class."""
     result = []
     for spec in specs:
-        kind, _, count = spec.partition(":")
-        kind = kind.strip()
+        body, _, target = spec.partition("@")
+        kind, _, count = body.partition(":")
+        kind, target = kind.strip(), target.strip() or DEFAULT_TARGET
         try:
             number = int(count) if count else 1
         except ValueError:
             raise SynthError(f"--inject {spec}: COUNT must be an integer") from None
+        if number < 1:
+            raise SynthError(f"--inject {spec}: COUNT must be at least 1")
         kinds = FAULT_KINDS if kind == "all" else (kind,)
+        targets = TARGET_CLASSES if target == "all" else (target,)
         for name in kinds:
-            if name not in FAULT_KINDS:
-                raise SynthError(f"--inject: unknown fault kind {name!r} (one of "
-                                 f"{', '.join(FAULT_KINDS)}, or all)")
-            if number < 1:
-                raise SynthError(f"--inject {spec}: COUNT must be at least 1")
-            result.append((name, number))
+            _check_kind(name)
+            for where in targets:
+                _check_target(where)
+                result.append((name, number, where))
     return result
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in FAULT_KINDS:
+        raise SynthError(f"--inject: unknown fault kind {kind!r} (one of "
+                         f"{', '.join(FAULT_KINDS)}, or all)")
+
+
+def _check_target(target: str) -> None:
+    if target not in TARGET_CLASSES:
+        raise SynthError(f"--inject: unknown target class {target!r} (one of "
+                         f"{', '.join(TARGET_CLASSES)}, or all)")
+
+
+@dataclass
+class _Entries:
+    """Every verify entry of the final state: live requests' windows, then sweep entries."""
+    entry: np.ndarray      # 0 request, 1 sweep
+    batch: np.ndarray      # batch index (-1 for sweep entries)
+    row: np.ndarray        # request row (-1)
+    position: np.ndarray
+    slot: np.ndarray       # canary slot read
+    prev: np.ndarray       # canary slot of the predecessor (-1 head, 0 unreachable)
+    masks: dict            # target class -> bool mask over the entries
 
 
 class FaultInjector:
@@ -83,14 +168,26 @@ class FaultInjector:
 
     def __init__(self, synthesis):
         self.s = synthesis
-        self.used_entries: set = set()     # (request row, position) of every target
-        self.used_slots: set = set()
+        self._entries = None
+        self._sweep = None
+        self.blocked = None                # canary slot -> taken or next to a target
+        self.real_kv_faults = 0
 
-    def inject(self, kind: str, count: int) -> list:
+    def inject(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
+        """Inject ``count`` faults of ``kind`` at ``target`` entries; all or an error."""
+        made = self.inject_up_to(kind, count, target)
+        if len(made) < count:
+            raise SynthError(f"--inject {kind}:{count}@{target}: only {len(made)} distinct "
+                             f"{target} entries to inject into; use more requests or fewer "
+                             "faults")
+        return made
+
+    def inject_up_to(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
+        """Inject up to ``count`` faults, stopping (with the generator untouched by the failed
+        attempt) when no target entry is left."""
         s = self.s
-        if kind not in FAULT_KINDS:
-            raise SynthError(f"--inject: unknown fault kind {kind!r} (one of "
-                             f"{', '.join(FAULT_KINDS)})")
+        _check_kind(kind)
+        _check_target(target)
         if count < 1:
             raise SynthError(f"--inject {kind}: COUNT must be at least 1, got {count}")
         if kind == "real-kv-byte" and not s.sources:
@@ -98,90 +195,190 @@ class FaultInjector:
                              "(--sources >= 1)")
         made = []
         for _ in range(count):
-            fault = getattr(self, "_inject_" + kind.replace("-", "_"))(len(made))
+            state = s.rng.bit_generator.state
+            try:
+                fault = getattr(self, "_inject_" + kind.replace("-", "_"))(target)
+            except _NoTarget:
+                s.rng.bit_generator.state = state
+                break
             s.faults.append(fault)
             made.append(fault)
         return made
 
-    # ------------------------------------------------------------------ targets
+    # ------------------------------------------------------------------ entries
 
-    def _candidates(self):
-        """(batch index, position) of every request-owned live entry whose predecessor and
-        successor are inside the verified window (a window head's predecessor may have lost
-        its SWA slot, which makes its chain link unreachable)."""
-        W = self.s.config.swa_window
-        batch, positions = [], []
-        for b, request in enumerate(self.s.running):
-            low = max(request.matched, 1, request.seq_len - W + 1 if W else 0)
-            high = request.seq_len - 1
-            if high > low:
-                batch.append(np.full(high - low, b, dtype=np.int64))
-                positions.append(np.arange(low, high, dtype=np.int64))
-        if not batch:
-            raise SynthError("no live request owns enough entries to inject faults into; "
-                             "use more requests or longer prompts")
-        return np.concatenate(batch), np.concatenate(positions)
+    def entries(self) -> _Entries:
+        if self._entries is None:
+            self._entries = self._build_entries()
+            self.blocked = np.zeros(self.s.num_canary_slots + 1, dtype=bool)
+            self.blocked[0] = True          # padding slot 0 is never a target
+        return self._entries
 
-    def _canary_slot(self, row: int, position: int) -> int:
+    def _build_entries(self) -> _Entries:
         s = self.s
-        return int(s.allocator.canary_slots(np.array([s.table[row, position]], np.int64))[0])
+        c, canary = s.config, s.allocator.canary_slots
+        W = c.swa_window
+        cols = {name: [] for name in ("entry", "batch", "row", "position", "slot", "prev")}
+        meta = {name: [] for name in ("matched", "seq_len", "prompt_len", "start")}
+        for b, request in enumerate(s.running):
+            start = max(0, request.seq_len - W) if W else 0
+            positions = np.arange(start, request.seq_len, dtype=np.int64)
+            full = s.table[request.row, :request.seq_len].astype(np.int64)
+            slots = canary(full)
+            prev = np.full(positions.shape, -1, dtype=np.int64)
+            prev[positions > 0] = slots[positions[positions > 0] - 1]
+            n = positions.shape[0]
+            for name, value in (("entry", 0), ("batch", b), ("row", request.row)):
+                cols[name].append(np.full(n, value, dtype=np.int64))
+            cols["position"].append(positions)
+            cols["slot"].append(slots[start:])
+            cols["prev"].append(prev)
+            for name, value in (("matched", request.matched), ("seq_len", request.seq_len),
+                                ("prompt_len", request.prompt_len), ("start", start)):
+                meta[name].append(np.full(n, value, dtype=np.int64))
+        self._sweep = SweepIndex(s.cache, s.allocator.lut)
+        sweep = self._sweep
+        m = sweep.slots.shape[0]
+        for name, value in (("entry", 1), ("batch", -1), ("row", -1)):
+            cols[name].append(np.full(m, value, dtype=np.int64))
+        cols["position"].append(sweep.positions)
+        cols["slot"].append(sweep.slots)
+        cols["prev"].append(sweep.prevs)
+        for name in meta:
+            meta[name].append(np.full(m, -1, dtype=np.int64))
+        e = {name: np.concatenate(v) for name, v in cols.items()}
+        mt = {name: np.concatenate(v) for name, v in meta.items()}
+        return _Entries(**e, masks=self._class_masks(e, mt, sweep.unmapped))
 
-    def _pick(self, extra_filter=None):
-        s, used = self.s, self.used_entries
-        batch, positions = self._candidates()
-        order = s.rng.permutation(batch.shape[0])
-        for i in order.tolist():
-            b, p = int(batch[i]), int(positions[i])
-            request = s.running[b]
-            if any((request.row, q) in used for q in (p - 1, p, p + 1)):
-                continue
-            slot = self._canary_slot(request.row, p)
-            if slot in self.used_slots or slot == 0:
-                continue
-            if extra_filter and not extra_filter(b, p, slot):
-                continue
-            used.add((request.row, p))
-            self.used_slots.add(slot)
-            return b, p, slot
-        raise SynthError("ran out of distinct live entries to inject faults into; use more "
-                         "requests or fewer faults")
+    def _class_masks(self, e: dict, mt: dict, unmapped: np.ndarray) -> dict:
+        """Target class -> mask over the entries; the classes of live entries are disjoint
+        except that an interior entry may sit on a chunk boundary."""
+        chunk = self.s.config.chunk_size
+        live, p, prev = e["entry"] == 0, e["position"], e["prev"]
+        owned = p >= mt["matched"]
+        head = live & (p == 0)
+        window_head = live & (p == mt["start"]) & (p > 0) & (prev == 0)
+        last = live & (p == mt["seq_len"] - 1) & ~head & ~window_head
+        inside = live & (p > mt["start"]) & (p < mt["seq_len"] - 1) & (prev != 0)
+        sweep_mask = np.zeros(live.shape, dtype=bool)
+        sweep_mask[~live] = unmapped
+        return {
+            "head": head,
+            "interior": inside & owned & (p > 0),
+            "last": last,
+            "chunk-boundary": inside & owned & (p < mt["prompt_len"])
+                              & ((p - mt["matched"]) % chunk == 0) & (p > mt["matched"]),
+            "window-head": window_head,
+            "shared": inside & ~owned,
+            "cached": sweep_mask & (prev != 0),
+        }
 
-    def _fault(self, kind, b, p, slot, *, visible=True, detail=-1, note="") -> Fault:
-        return Fault(kind=kind, batch_index=b, request_row=self.s.running[b].row, position=p,
-                     slot=slot, expected_bits=int(EXPECTED_BITS[kind]), visible=visible,
-                     detail=detail, note=note)
+    # ------------------------------------------------------------------ picking
+
+    def _pick(self, target: str, where=None) -> int:
+        """Index of a random free entry of ``target`` (and ``where``); raises _NoTarget."""
+        e = self.entries()
+        mask = e.masks[target] & ~self.blocked[e.slot]
+        if where is not None:
+            mask &= where
+        candidates = np.flatnonzero(mask)
+        if candidates.size == 0:
+            raise _NoTarget
+        return int(candidates[int(self.s.rng.integers(candidates.size))])
+
+    def _take(self, *slots) -> None:
+        """Block slots and their chain neighbours for later targets."""
+        e = self.entries()
+        for slot in slots:
+            self.blocked[slot] = True
+            self.blocked[e.prev[(e.slot == slot) & (e.prev > 0)]] = True
+            self.blocked[e.slot[e.prev == slot]] = True
+
+    def _record_sites(self, kind: str, slot: int, real_kv_visible: bool = False) -> tuple:
+        """Every entry that reads canary slot ``slot`` (every mapper, and the sweep)."""
+        e = self.entries()
+        return tuple(self._site(kind, i, slot, real_kv_visible)
+                     for i in np.flatnonzero(e.slot == slot).tolist())
+
+    def _site(self, kind: str, i: int, reads: int, real_kv_visible: bool = False) -> Site:
+        e = self.entries()
+        entry = REQUEST if e.entry[i] == 0 else SWEEP
+        return Site(entry=entry, request_row=int(e.row[i]), position=int(e.position[i]),
+                    slot=int(reads), bits=site_bits(kind, entry, int(e.position[i]),
+                                                   int(e.prev[i]), real_kv_visible))
+
+    def _fault(self, kind, target, i, sites, *, detail=-1, note="") -> Fault:
+        e = self.entries()
+        expected = 0
+        for site in sites:
+            expected |= site.bits
+        return Fault(kind=kind, batch_index=int(e.batch[i]), request_row=int(e.row[i]),
+                     position=int(e.position[i]), slot=int(e.slot[i]), expected_bits=expected,
+                     visible=expected != 0, detail=detail, note=note, target=target,
+                     sites=sites)
 
     def _fields(self):
         """The canary records' int64 fields: token, position, chain link, real-KV hash."""
         return self.s.canary.view("<i8")[:, :4]
 
+    def _set_table(self, i: int, full_slot: int) -> None:
+        """Point entry ``i``'s table slot (a request row, or a cached block) at ``full_slot``."""
+        e = self.entries()
+        if e.entry[i] == 0:
+            self.s.table[e.row[i], e.position[i]] = full_slot
+        else:
+            block, k = self._sweep.owner(i - int(np.count_nonzero(e.entry == 0)))
+            block.slots[k] = full_slot
+
+    def _table_slot(self, i: int) -> int:
+        e = self.entries()
+        if e.entry[i] == 0:
+            return int(self.s.table[e.row[i], e.position[i]])
+        block, k = self._sweep.owner(i - int(np.count_nonzero(e.entry == 0)))
+        return int(block.slots[k])
+
     # ------------------------------------------------------------------ record faults
 
-    def _inject_token(self, k):
-        b, p, slot = self._pick()
-        self._fields()[slot, 0] += 1
-        return self._fault("token", b, p, slot)
+    def _record_fault(self, kind, target, change, *, where=None, detail=-1, note="",
+                      real_kv_visible=False):
+        i = self._pick(target, where)
+        slot = int(self.entries().slot[i])
+        change(slot)
+        self._take(slot)
+        return self._fault(kind, target, i, self._record_sites(kind, slot, real_kv_visible),
+                           detail=detail, note=note)
 
-    def _inject_position(self, k):
-        b, p, slot = self._pick()
-        self._fields()[slot, 1] += 1
-        return self._fault("position", b, p, slot)
+    def _inject_token(self, target):
+        return self._record_fault("token", target,
+                                  lambda slot: self._fields().__setitem__(
+                                      (slot, 0), self._fields()[slot, 0] + 1))
 
-    def _inject_prev_hash(self, k):
-        b, p, slot = self._pick()
+    def _inject_position(self, target):
+        return self._record_fault("position", target,
+                                  lambda slot: self._fields().__setitem__(
+                                      (slot, 1), self._fields()[slot, 1] + 1))
+
+    def _inject_prev_hash(self, target):
+        i = self._pick(target)
         bit = int(self.s.rng.integers(64))
+        slot = int(self.entries().slot[i])
         self._fields()[slot, 2] ^= np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
-        return self._fault("prev-hash", b, p, slot, detail=bit)
+        self._take(slot)
+        return self._fault("prev-hash", target, i, self._record_sites("prev-hash", slot),
+                           detail=bit)
 
-    def _inject_real_kv_byte(self, k):
+    def _inject_real_kv_byte(self, target):
         s = self.s
         c, rng = s.config, s.rng
-        b, p, slot = self._pick()
+        i = self._pick(target)
+        slot = int(self.entries().slot[i])
+        k = self.real_kv_faults
         source = k % len(s.sources)
         offset = (k * 16 + int(rng.integers(16))) % c.bytes_per_token
         view = s.pool.slot_bytes(s.sources[source])
         view[slot // c.page_size, slot % c.page_size, offset] ^= np.uint8(
             1 << int(rng.integers(8)))
+        self.real_kv_faults += 1
         mode = c.hash_mode
         visible = mode == RealKvHashMode.ALL or (
             mode == RealKvHashMode.PARTIAL and offset < REAL_KV_PARTIAL_READ_BYTES)
@@ -192,66 +389,34 @@ class FaultInjector:
                     f"{REAL_KV_PARTIAL_READ_BYTES} bytes partial hashes)")
         else:
             note = f"byte {offset} of source {source}"
-        return self._fault("real-kv-byte", b, p, slot, visible=visible, detail=offset, note=note)
+        self._take(slot)
+        return self._fault("real-kv-byte", target, i,
+                           self._record_sites("real-kv-byte", slot, visible),
+                           detail=offset, note=note)
 
-    def _inject_lost_write(self, k):
+    def _inject_lost_write(self, target):
         s = self.s
-        fresh = s.pool.write_count == 1
+        e = self.entries()
         try:
-            b, p, slot = self._pick(lambda bb, pp, ss: bool(fresh[ss]))
+            i = self._pick(target, s.pool.write_count[e.slot] == 1)
             note = "slot never written (first occupant)"
-        except SynthError:
-            b, p, slot = self._pick()
+        except _NoTarget:
+            i = self._pick(target)
             note = "slot had an earlier occupant; left zeroed"
+        slot = int(e.slot[i])
         s.canary[slot] = 0
         ps = s.config.page_size
         for tensor in s.sources:
             s.pool.slot_bytes(tensor)[slot // ps, slot % ps] = 0
-        return self._fault("lost-write", b, p, slot, note=note)
+        self._take(slot)
+        return self._fault("lost-write", target, i, self._record_sites("lost-write", slot),
+                           note=note)
 
-    # ------------------------------------------------------------------ table faults
-
-    def _inject_alias(self, k):
+    def _inject_stale_reuse(self, target):
         s = self.s
-        b, p, slot = self._pick()
-        request = s.running[b]
-        batch, positions = self._candidates()
-        for i in s.rng.permutation(batch.shape[0]).tolist():
-            b2, p2 = int(batch[i]), int(positions[i])
-            other = s.running[b2]
-            if b2 == b or p2 == p:
-                continue
-            full = int(s.table[other.row, p2])
-            target = self._canary_slot(other.row, p2)
-            if target == 0 or target in self.used_slots or (other.row, p2) in self.used_entries:
-                continue
-            self.used_slots.add(target)
-            self.used_entries.add((other.row, p2))
-            s.table[request.row, p] = full
-            return self._fault("alias", b, p, slot, detail=target,
-                               note=f"now maps slot {target} (request row {other.row}, "
-                                    f"position {p2})")
-        raise SynthError("alias needs a second live request with an owned entry")
-
-    def _inject_swap(self, k):
-        s = self.s
-        b, p, slot = self._pick()
-        b2, p2, slot2 = self._pick(lambda bb, pp, ss: bb == b and abs(pp - p) > 1)
-        row = s.running[b].row
-        s.table[row, p], s.table[row, p2] = s.table[row, p2], s.table[row, p]
-        return self._fault("swap", b, p, slot, detail=p2, note=f"exchanged with position {p2}")
-
-    def _inject_slot_zero(self, k):
-        b, p, slot = self._pick()
-        self.s.table[self.s.running[b].row, p] = 0
-        return self._fault("slot-zero", b, p, slot,
-                           note="seen only by kvcanary's SLOT_ZERO_IN_PREFIX extension")
-
-    # ------------------------------------------------------------------ allocator faults
-
-    def _inject_stale_reuse(self, k):
-        s = self.s
-        b, p, slot = self._pick()
+        i = self._pick(target)
+        slot = int(self.entries().slot[i])
+        p = int(self.entries().position[i])
         new_position = p + 1 + int(s.rng.integers(1, 64))
         token = s.workload.tokens(1).astype(np.int64)
         positions = np.array([new_position], dtype=np.int64)
@@ -263,5 +428,49 @@ class FaultInjector:
         api.write(s.pool.context, plan, input_ids=token, positions=positions,
                   out_cache_loc=slots, backend=s.config.backend)
         s.pool.write_count[slot] += 1
-        return self._fault("stale-reuse", b, p, slot, detail=new_position,
+        self._take(slot)
+        return self._fault("stale-reuse", target, i, self._record_sites("stale-reuse", slot),
+                           detail=new_position,
                            note=f"rewritten as position {new_position} of another sequence")
+
+    # ------------------------------------------------------------------ table faults
+
+    def _inject_alias(self, target):
+        e = self.entries()
+        i = self._pick(target)
+        other = self._pick("interior", (e.batch != e.batch[i]) & (e.position != e.position[i])
+                           & (e.slot != e.slot[i]))
+        self._set_table(i, self._table_slot(other))
+        into = int(e.slot[other])
+        self._take(int(e.slot[i]), into)
+        return self._fault("alias", target, i, (self._site("alias", i, into),), detail=into,
+                           note=f"now maps slot {into} (request row {int(e.row[other])}, "
+                                f"position {int(e.position[other])})")
+
+    def _inject_swap(self, target):
+        e = self.entries()
+        i = self._pick(target)
+        same = (e.entry == e.entry[i]) & (np.abs(e.position - e.position[i]) > 1) \
+            & (e.slot != e.slot[i])
+        if e.entry[i] == 0:
+            j = self._pick("interior", same & (e.batch == e.batch[i]))
+        else:
+            j = self._pick("cached", same)
+        a, b = self._table_slot(i), self._table_slot(j)
+        self._set_table(i, b)
+        self._set_table(j, a)
+        self._take(int(e.slot[i]), int(e.slot[j]))
+        sites = (self._site("swap", i, int(e.slot[j])), self._site("swap", j, int(e.slot[i])))
+        return self._fault("swap", target, i, sites, detail=int(e.position[j]),
+                           note=f"exchanged with position {int(e.position[j])}")
+
+    def _inject_slot_zero(self, target):
+        i = self._pick(target)
+        self._set_table(i, 0)
+        self._take(int(self.entries().slot[i]))
+        return self._fault("slot-zero", target, i, (self._site("slot-zero", i, 0),),
+                           note="seen only by kvcanary's SLOT_ZERO_IN_PREFIX extension")
+
+
+class _NoTarget(Exception):
+    """No free entry of the class is left (internal: ``inject`` turns it into SynthError)."""
