@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -9,6 +11,7 @@ import sys
 import click
 
 from .common import EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS, Progress, error_message
+from .interrupt import interrupted_record, on_interrupt
 
 
 def run_audit(path: str, options: dict, progress=None):
@@ -92,47 +95,48 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, fmt, compa
     Exit 0: every dump clean; 1: violations; 2: bad input, usage or environment."""
     options = dict(backend=backend, max_real_kv_sources=max_real_kv_sources,
                    ring_capacity=ring_capacity, compat=compat)
-    outcomes = _audit_all(list(dumps), options, jobs)
+    reported = 0
+    if fmt == "json":
+        on_interrupt(lambda exc: click.echo(json.dumps(interrupted_record(
+            exc, dumps_reported=reported, dumps=len(dumps)))))
     code = EXIT_CLEAN
-    for path, (status, value) in zip(dumps, outcomes):
-        if status == "error":
-            click.echo(f"kvcanary: error: {value}", err=True)
-            if fmt == "json":
-                click.echo(json.dumps({"record": "error", "dump": path, "message": value}))
-            code = EXIT_ERROR
-            continue
-        (render_json if fmt == "json" else render_text)(value, click.echo)
-        if not value.clean and code == EXIT_CLEAN:
-            code = EXIT_VIOLATIONS
+    # closing: whatever stops the loop (an interrupt) stops the workers with it
+    with contextlib.closing(_audit_all(list(dumps), options, jobs)) as outcomes:
+        for path, (status, value) in zip(dumps, outcomes):
+            if status == "error":
+                click.echo(f"kvcanary: error: {value}", err=True)
+                if fmt == "json":
+                    click.echo(json.dumps({"record": "error", "dump": path, "message": value}))
+                code = EXIT_ERROR
+            else:
+                (render_json if fmt == "json" else render_text)(value, click.echo)
+                if not value.clean and code == EXIT_CLEAN:
+                    code = EXIT_VIOLATIONS
+            reported += 1
     sys.exit(code)
 
 
 def _audit_all(paths: list, options: dict, jobs):
+    """The outcome of every dump, in order, as each is ready."""
     if len(paths) == 1:
         progress = Progress(f"auditing {paths[0]}: entries")
         try:
-            return [run_audit(paths[0], options, progress)]
+            yield run_audit(paths[0], options, progress)
         finally:
             progress.close()
-    import concurrent.futures
-    import multiprocessing
+        return
+    from kvcanary.interrupt import WorkerPool
 
-    workers = min(len(paths), jobs or os.cpu_count() or 1)
+    def failed(path, exc):   # a worker that died (e.g. out of memory)
+        return "error", f"{path}: the audit process failed ({error_message(exc)})"
+
     progress = Progress("audited dumps")
-    results = [None] * len(paths)
     # spawn: a forked child would inherit a CUDA context it cannot use.
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        futures = {pool.submit(run_audit, path, options): index for index, path in enumerate(paths)}
-        done = 0
-        for future in concurrent.futures.as_completed(futures):
-            index = futures[future]
-            try:
-                results[index] = future.result()
-            except Exception as exc:  # a worker that died (e.g. out of memory)
-                results[index] = ("error", f"{paths[index]}: the audit process failed "
-                                           f"({error_message(exc)})")
-            done += 1
-            progress(done, len(paths))
-    progress.close()
-    return results
+    with WorkerPool(min(len(paths), jobs or os.cpu_count() or 1), start_method="spawn") as pool:
+        try:
+            for done, outcome in enumerate(pool.map(functools.partial(run_audit, options=options),
+                                                    paths, failed=failed), 1):
+                progress(done, len(paths))
+                yield outcome
+        finally:
+            progress.close()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 import click
 
 from .common import EXIT_CLEAN, EXIT_VIOLATIONS, Progress, error_boundary, fail
+from .interrupt import interrupted_record, on_interrupt, unwritten
 
 
 @click.command("campaign")
@@ -32,6 +34,7 @@ def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs)
     Exit 0 when every fault the canary is designed to see was detected and no clean audit
     had a violation, 1 when a target was missed (each miss comes with the commands that
     reproduce it), 2 on bad input."""
+    from kvcanary.atomic import replacing
     from kvcanary.campaign import render, run_campaign
 
     if out:   # fail before the campaign, not after it
@@ -48,7 +51,9 @@ def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs)
             bars[phase] = Progress(f"campaign: {phase}")
         bars[phase](done, total)
 
-    with error_boundary():
+    if fmt == "json" and not out:
+        on_interrupt(lambda exc: click.echo(json.dumps(interrupted_record(exc))))
+    with error_boundary(), unwritten(out or "the report"):
         try:
             report = run_campaign(faults_per_kind=faults_per_kind, clean_runs=clean_runs,
                                   seed=seed, backend=backend, jobs=jobs, progress=progress)
@@ -56,12 +61,13 @@ def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs)
             for bar in bars.values():
                 bar.close()
         text = render(report, fmt)
+        if out:
+            try:
+                with replacing(out) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+                    handle.write(text)
+            except OSError as exc:
+                fail(f"--out {out}: {exc.strerror or exc}")
     if out:
-        try:
-            with open(out, "w", encoding="utf-8") as handle:
-                handle.write(text)
-        except OSError as exc:
-            fail(f"--out {out}: {exc.strerror or exc}")
         click.echo(f"wrote {out}: " + ("PASS" if report.passed else
                                        f"FAIL ({len(report.failures())} target(s) missed)"))
     else:

@@ -9,6 +9,8 @@ import time
 
 import click
 
+from .interrupt import progressed
+
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
 
 
@@ -55,6 +57,7 @@ class Progress:
         self.drawn = False
 
     def __call__(self, done: int, total: int) -> None:
+        progressed(self.label, done, total)   # how far an interrupt says it got
         if not self.enabled:
             return
         now = time.monotonic()

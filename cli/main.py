@@ -10,6 +10,7 @@ import kvcanary
 from .audit import audit_command
 from .campaign import campaign_command
 from .demo import demo_command
+from .interrupt import interruptible
 from .smoke import smoke
 from .synth import synth_command
 
@@ -30,4 +31,4 @@ def info() -> None:
 
 
 for _command in (demo_command, synth_command, audit_command, campaign_command, smoke):
-    main.add_command(_command)
+    main.add_command(interruptible(_command))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .common import Progress, error_boundary
+from .interrupt import unwritten
 
 
 def _range(text: str, name: str) -> tuple:
@@ -74,7 +75,7 @@ def synth_command(out, mode, backend, inject, **values):
     from kvcanary import dump
     from kvcanary.synth import Synthesis, parse_inject
 
-    with error_boundary():
+    with error_boundary(), unwritten(out):
         config = make_config(mode, backend=backend, **values)
         if backend == "cupy":
             from kvcanary.audit import resolve_backend

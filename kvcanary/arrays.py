@@ -4,13 +4,11 @@ whose messages name the argument at fault."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-# DLPack device types (dlpack.h): what a foreign array's __dlpack_device__ reports.
-_DLPACK_CPU = 1
-_DLPACK_CUDA = 2
-_DLPACK_CUDA_HOST = 3
-_DLPACK_CUDA_MANAGED = 13
+from . import dlpack
 
 
 def is_cupy_array(x) -> bool:
@@ -22,36 +20,83 @@ def library_of(x) -> str:
     return "cupy" if is_cupy_array(x) else "numpy"
 
 
-def as_array(x, name: str):
+def as_array(x, name: str, *, untyped_as_bytes: bool = False):
     """Return ``x`` as a numpy or cupy array, sharing memory whenever ``x`` is an array.
 
     numpy and cupy arrays pass through. Anything with ``__dlpack__`` (torch, jax, ...)
-    is imported zero-copy: host memory as numpy, device memory as cupy. Other array-likes
-    go through ``numpy.asarray``.
+    is imported zero-copy: host memory as numpy, device memory as cupy. An element type
+    neither library holds (bf16, fp8, fp4) is refused by name, or with ``untyped_as_bytes``
+    imported as its bytes (see :func:`byte_view`). Other array-likes go through
+    ``numpy.asarray``.
     """
     if x is None:
         return None
     if isinstance(x, np.ndarray) or is_cupy_array(x):
         return x
-    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
-        device_type = int(x.__dlpack_device__()[0])
-        if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
-            return np.from_dlpack(x)
-        if device_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
-            try:
-                import cupy
-            except ImportError as exc:  # pragma: no cover - depends on the machine
-                raise ValueError(
-                    f"kv-canary: {name} lives in GPU memory; install kvcanary[cuda12] or "
-                    f"kvcanary[cuda13] (cupy) to use it"
-                ) from exc
-            return cupy.from_dlpack(x)
-        raise ValueError(f"kv-canary: {name} lives on DLPack device type {device_type}, "
-                         f"which kvcanary does not support")
+    if dlpack.is_dlpack(x):
+        tensor = dlpack.export(x, name)
+        dtype = tensor.numpy_dtype
+        if dtype is not None:
+            strides = tuple(s * dtype.itemsize for s in tensor.element_strides())
+            return dlpack.wrap(tensor, dtype, tensor.shape, strides)
+        if not untyped_as_bytes:
+            raise ValueError(
+                f"kv-canary: {name} has element type {tensor.type_name}, which kvcanary cannot "
+                "use here; only real-KV source tensors (and dumped real_kv_* keys) are read "
+                "as raw bytes, whatever their element type")
+        view = _dlpack_bytes(tensor)
+        if view.array is None:
+            raise ValueError(f"kv-canary: {name} cannot be read as bytes: its last dimension "
+                             f"is not unit-stride (strides={view.strides})")
+        return view.array
     try:
         return np.asarray(x)
     except Exception as exc:
         raise TypeError(f"kv-canary: {name} is not an array: {type(x).__name__}") from exc
+
+
+@dataclass(frozen=True)
+class ByteView:
+    """An array seen as bytes: ``array`` is the ``uint8`` view (the last dimension widened
+    to its bytes, every other stride kept), or None when the last dimension is not
+    unit-stride (its elements are not one run of bytes). ``shape``, ``strides`` (bytes) and
+    ``dtype`` describe the array as given, for messages."""
+
+    array: object
+    shape: tuple
+    strides: tuple
+    dtype: str
+
+
+def byte_view(x, name: str) -> ByteView:
+    """``x`` (numpy, cupy or any DLPack tensor of any element type) viewed as ``uint8``
+    without a copy, like a ``tensor.view(uint8)``."""
+    if not (isinstance(x, np.ndarray) or is_cupy_array(x)) and dlpack.is_dlpack(x):
+        return _dlpack_bytes(dlpack.export(x, name))
+    array = as_array(x, name)
+    given = dict(shape=tuple(array.shape), strides=tuple(array.strides), dtype=str(array.dtype))
+    if not _unit_last_stride(array.shape, array.strides, array.dtype.itemsize):
+        return ByteView(None, **given)
+    if array.ndim == 0:
+        array = array.reshape(1)
+    return ByteView(array if array.dtype == np.uint8 else array.view(np.uint8), **given)
+
+
+def _dlpack_bytes(tensor: dlpack.Tensor) -> ByteView:
+    bits = tensor.element_bits
+    elements = tensor.element_strides()
+    strides = tuple(s * bits // 8 for s in elements)
+    given = dict(shape=tensor.shape, strides=strides, dtype=tensor.type_name)
+    if not _unit_last_stride(tensor.shape, elements, 1):
+        return ByteView(None, **given)
+    if not tensor.shape:
+        return ByteView(dlpack.wrap(tensor, np.uint8, (bits // 8,), (1,)), **given)
+    shape = tensor.shape[:-1] + (tensor.shape[-1] * bits // 8,)
+    return ByteView(dlpack.wrap(tensor, np.uint8, shape, strides[:-1] + (1,)), **given)
+
+
+def _unit_last_stride(shape, strides, unit) -> bool:
+    return not shape or shape[-1] <= 1 or strides[-1] == unit
 
 
 def check_dtype(x, name: str, *dtypes) -> None:

@@ -37,7 +37,8 @@ from .consts import (
 from .dump import Dump, load
 from .reference.plan import window_start
 from .reference.ring import violation_rows
-from .types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
+from .types import (CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan,
+                    check_source_bound, check_source_count)
 from .violations import Violation, reason_labels, tag_name
 
 BACKENDS = ("auto", "numpy", "cupy")
@@ -417,14 +418,13 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         ring_capacity = total_entries
     if ring_capacity < 1:
         raise AuditError(f"ring capacity must be at least 1, got {ring_capacity}")
-    if max_real_kv_sources < 1:
-        raise AuditError(f"max_real_kv_sources must be at least 1, got {max_real_kv_sources}")
-
-    if len(d.real_kv) > max_real_kv_sources:
-        raise AuditError(
-            f"{d.path}: key real_kv_params: the dump has {len(d.real_kv)} real-KV sources, "
-            f"above the bound: at most {max_real_kv_sources} RealKvSource entries supported by "
-            "the CUDA ABI; raise the bound (kvcanary audit --max-real-kv-sources N)")
+    bound = check_source_bound(max_real_kv_sources)
+    try:
+        check_source_count(len(d.real_kv), bound,
+                           raise_with="kvcanary audit --max-real-kv-sources N")
+    except ValueError as exc:
+        raise AuditError(f"{d.path}: key real_kv_params: {str(exc).removeprefix('kv-canary: ')}"
+                         ) from None
     launcher = _Launcher(d, chosen, max_real_kv_sources)
     check_token = d.expected_tokens is not None
     tag = int(d.launch_tag)

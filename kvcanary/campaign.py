@@ -45,6 +45,7 @@ import numpy as np
 from . import dump as dumpio
 from .audit import AuditError, audit, resolve_backend
 from .consts import REAL_KV_PARTIAL_READ_BYTES
+from .interrupt import WorkerPool
 from .synth import (FAULT_KINDS, MODES, TARGET_CLASSES, SynthConfig, SynthError, Synthesis,
                     faults_from_dump, score)
 from .violations import reason_labels
@@ -526,26 +527,10 @@ def machine_description() -> str:
     return f"{os.cpu_count()}-core {platform.machine()}, {platform.system()}"
 
 
-class _Runner:
-    """Ordered map over tasks: in this process (jobs == 1) or a process pool."""
-
-    def __init__(self, jobs: int, cuda: bool):
-        self.pool = None
-        if jobs > 1:
-            method = "spawn" if cuda or "fork" not in multiprocessing.get_all_start_methods() \
-                else "fork"
-            self.pool = multiprocessing.get_context(method).Pool(jobs)
-        self.jobs = jobs
-
-    def map(self, function, tasks):
-        if self.pool is None:
-            return map(function, tasks)
-        return self.pool.imap(function, tasks, chunksize=max(1, min(8, len(tasks) // (4 * self.jobs))))
-
-    def close(self):
-        if self.pool is not None:
-            self.pool.close()
-            self.pool.join()
+def _worker_pool(jobs: int, cuda: bool) -> WorkerPool:
+    # fork is cheaper, but a forked child would inherit a CUDA context it cannot use
+    method = "spawn" if cuda or "fork" not in multiprocessing.get_all_start_methods() else "fork"
+    return WorkerPool(jobs, start_method=method)
 
 
 def _yield(target: str, kind: str, mode: str, scope: str, sources_share: float = 0.8) -> float:
@@ -579,12 +564,9 @@ def run_campaign(*, faults_per_kind: int = 1000, clean_runs: int = 200, seed: in
     report = CampaignReport(faults_per_kind=faults_per_kind, clean_runs=clean_runs, seed=seed,
                             backends=backends, skipped_backends=skipped, jobs=jobs,
                             machine=machine_description())
-    runner = _Runner(jobs, cuda="cupy" in backends)
-    try:
+    with _worker_pool(jobs, cuda="cupy" in backends) as runner:
         _clean_phase(report, runner, progress)
         _fault_phase(report, runner, progress)
-    finally:
-        runner.close()
     report.elapsed_s = time.perf_counter() - started
     return report
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .arrays import as_array
+from .atomic import replacing
 from .consts import LaunchTag, RealKvHashMode
 
 DUMP_VERSION = 1
@@ -110,19 +112,12 @@ def _host_array(value, key: str) -> np.ndarray:
         return np.asarray(value)
     if type(value).__module__.split(".")[0] == "cupy":
         return value.get()
-    if hasattr(value, "__dlpack__"):
-        try:
-            return np.from_dlpack(value)
-        except Exception:
-            pass  # device memory or a dtype numpy lacks: try the other routes
-        if hasattr(value, "__dlpack_device__") and int(value.__dlpack_device__()[0]) in (2, 13):
-            try:
-                import cupy
-
-                return cupy.from_dlpack(value).get()
-            except Exception as exc:
-                raise DumpError(f"key {key}: cannot copy a device array to the host ({exc}); "
-                                "move it to host memory first") from None
+    if hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__"):
+        try:  # zero-copy; KV of a type numpy lacks (bf16, fp8) is kept as its bytes
+            array = as_array(value, key, untyped_as_bytes=True)
+        except ValueError as exc:
+            raise DumpError(f"key {key}: {str(exc).removeprefix('kv-canary: ')}") from None
+        return array if isinstance(array, np.ndarray) else array.get()
     if hasattr(value, "__array__"):
         try:
             return np.asarray(value)
@@ -145,13 +140,16 @@ def save(path, **arrays) -> str:
         if array.dtype.kind == "O":
             raise DumpError(f"{path}: key {key}: object arrays cannot be dumped")
         values[key] = array
+    # Written under a temporary name and renamed when complete: an interrupt or an error
+    # leaves the earlier dump at ``path`` (or nothing), never a part of the new one.
     if flavour == "npz":
-        with open(path, "wb") as handle:
+        with replacing(path) as temporary, open(temporary, "wb") as handle:
             np.savez(handle, **values)
     elif flavour == "dir":
-        _prepare_directory(path, values)
-        for key, array in values.items():
-            np.save(os.path.join(path, f"{key}.npy"), array, allow_pickle=False)
+        _check_replaceable_directory(path)
+        with replacing(path, directory=True) as temporary:
+            for key, array in values.items():
+                np.save(os.path.join(temporary, f"{key}.npy"), array, allow_pickle=False)
     else:
         numpy_api = _safetensors_numpy(path)
         metadata, tensors = {}, {}
@@ -162,23 +160,26 @@ def save(path, **arrays) -> str:
                 metadata[key] = str(array[()])
             else:
                 tensors[key] = np.ascontiguousarray(array)
-        numpy_api.save_file(tensors, path, metadata=metadata or None)
+        with replacing(path) as temporary:
+            numpy_api.save_file(tensors, temporary, metadata=metadata or None)
     return path
 
 
-def _prepare_directory(path: str, values: dict) -> None:
-    """Create the directory; an earlier dump there is replaced as a whole (its ``.npy``
-    files that the new dump does not write are removed), other ``.npy`` files are refused."""
-    os.makedirs(path, exist_ok=True)
-    stale = sorted(name for name in os.listdir(path)
-                   if name.endswith(".npy") and name[: -len(".npy")] not in values)
-    if not stale:
+def _check_replaceable_directory(path: str) -> None:
+    """A directory dump replaces only nothing, an empty directory or an earlier dump (as a
+    whole); a directory holding anything else is refused, so no other file is lost."""
+    if not os.path.lexists(path):
         return
-    if not os.path.exists(os.path.join(path, f"{VERSION_KEY}.npy")):
-        raise DumpError(f"{path}: the directory holds .npy files that are not a kvcanary dump "
-                        f"({stale[0]}); write the dump to an empty or new directory")
-    for name in stale:
-        os.remove(os.path.join(path, name))
+    if not os.path.isdir(path):
+        raise DumpError(f"{path}: exists and is not a directory; a dump path without .npz or "
+                        ".safetensors is written as a directory of .npy files")
+    names = sorted(os.listdir(path))
+    if not names:
+        return
+    foreign = [name for name in names if not name.endswith(".npy")]
+    if foreign or f"{VERSION_KEY}.npy" not in names:
+        raise DumpError(f"{path}: the directory holds files that are not a kvcanary dump "
+                        f"({(foreign or names)[0]}); write the dump to an empty or new directory")
 
 
 def _safetensors_numpy(path):
@@ -608,25 +609,19 @@ def _load_real_kv(c: _Checker, dump: Dump) -> None:
         tensor = c.values[key]
         if tensor.dtype.kind == "O":
             c.fail(key, "object arrays are refused")
-        if tensor.ndim != 2:
-            c.fail(key, f"must be 2-D (rows read as bytes), got shape {tuple(tensor.shape)}")
-        if tensor.dtype != np.uint8:
-            if not tensor.flags.c_contiguous:
-                tensor = np.ascontiguousarray(tensor)
-            tensor = tensor.view(np.uint8)
-        page_size, bytes_per_token, read_bytes = (int(v) for v in params[index])
+        layout = dict(zip(("page_size", "num_bytes_per_token", "read_bytes"),
+                          (int(v) for v in params[index])))
         try:
-            source = RealKvSource(tensor, page_size=page_size, num_bytes_per_token=bytes_per_token,
-                                  read_bytes=read_bytes)
+            RealKvSource.check_layout(**layout)
         except ValueError as exc:
             c.fail(f"real_kv_params[{index}]", str(exc).removeprefix("kv-canary: "))
-        if dump.real_kv_hash_mode != RealKvHashMode.NONE:
-            if source.row_bytes < page_size * bytes_per_token:
-                c.fail(key, f"rows of {source.row_bytes} bytes are narrower than page_size "
-                            f"{page_size} x {bytes_per_token} bytes per token")
-            if source.num_slots < dump.num_slots:
-                c.fail(key, f"holds {source.num_slots} slots but the canary has {dump.num_slots}")
-        sources.append(tensor)
+        try:  # (a Fortran-order file is read in C order: rows must be runs of bytes)
+            source = RealKvSource(np.ascontiguousarray(tensor), **layout)
+            if dump.real_kv_hash_mode != RealKvHashMode.NONE:
+                source.check_fits(dump.num_slots, key)
+        except ValueError as exc:
+            c.fail(key, str(exc).removeprefix("kv-canary: "))
+        sources.append(source.tensor)
     dump.real_kv = tuple(sources)
 
 

@@ -1,12 +1,11 @@
 """The data types of the public API: real-KV sources, plans, the violation log and the
 launch context. Field names, dtypes and shapes are upstream's (spec §2.8, §3.1, §4.1).
 
-Construction only brings arrays in (DLPack for foreign arrays); the checks run at launch,
-where upstream runs them, through the ``validate`` methods."""
+Construction brings arrays in (DLPack for foreign arrays) and checks what upstream checks
+there (a real-KV source's layout); the other checks run at launch, where upstream runs them,
+through the ``validate`` methods. Each rule is checked by one function."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,7 +18,6 @@ from .consts import (
     REAL_KV_ALIGN_BYTES,
     REAL_KV_PARTIAL_READ_BYTES,
     VIOLATION_FIELDS,
-    LaunchTag,
     RealKvHashMode,
 )
 
@@ -27,22 +25,51 @@ _INT64 = (np.int64,)
 _INT32 = (np.int32,)
 
 
-@dataclass(frozen=True, eq=False)
+def check_source_bound(max_real_kv_sources) -> int:
+    """The source-count bound a context (and its kernel variant) is built for: 1..64."""
+    bound = int(max_real_kv_sources)
+    if not 1 <= bound <= MAX_REAL_KV_SOURCES_LIMIT:
+        raise ValueError(
+            f"kv-canary: max_real_kv_sources must be in [1, {MAX_REAL_KV_SOURCES_LIMIT}], "
+            f"got {max_real_kv_sources}"
+        )
+    return bound
+
+
+def check_source_count(count: int, bound: int,
+                       raise_with: str = "CanaryContext(max_real_kv_sources=N)") -> None:
+    """At most ``bound`` real-KV sources: the kernels take that many descriptors by value.
+    ``raise_with`` says where the caller sets the bound."""
+    if count > bound:
+        raise ValueError(
+            f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "
+            f"got {count}\n"
+            f"(pass {raise_with} with N >= {count}, at most {MAX_REAL_KV_SOURCES_LIMIT}, to "
+            "compile a kernel variant with more sources; no rebuild is needed)"
+        )
+
+
 class RealKvSource:
     """One piece of the real KV pool to fingerprint.
 
-    ``tensor`` is any 2-D array whose last dimension is unit-stride; its rows are read as
-    bytes with the row stride taken from the array (rows may be wider than the slots they
-    pack). Slot ``s`` reads ``(s // page_size) * row_stride + (s % page_size) *
-    num_bytes_per_token`` onwards.
+    ``tensor`` is any 2-D array of any element type (numpy, cupy, or anything that speaks
+    DLPack: torch, jax, ... in bf16, fp8, fp4, ...) whose last dimension is unit-stride. It is
+    kept as its bytes, ``uint8 [rows, row_bytes]``, sharing the producer's memory (no copy;
+    the producer's buffer stays alive while the source does); the row stride is the array's
+    own, so rows may be wider than the slots they pack. Slot ``s`` reads
+    ``(s // page_size) * row_stride + (s % page_size) * num_bytes_per_token`` onwards.
     """
 
-    tensor: object
-    page_size: int
-    num_bytes_per_token: int
-    read_bytes: int
-
     def __init__(self, tensor, *, page_size: int, num_bytes_per_token: int, read_bytes: int):
+        self.check_layout(page_size, num_bytes_per_token, read_bytes)
+        self.tensor = _byte_rows(tensor, "RealKvSource.tensor")
+        self.page_size = int(page_size)
+        self.num_bytes_per_token = int(num_bytes_per_token)
+        self.read_bytes = int(read_bytes)
+
+    @staticmethod
+    def check_layout(page_size: int, num_bytes_per_token: int, read_bytes: int) -> None:
+        """The slot layout inside a row, in upstream's order of checks."""
         if page_size < 1:
             raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {page_size}")
         if num_bytes_per_token <= 0 or num_bytes_per_token % REAL_KV_ALIGN_BYTES:
@@ -55,27 +82,6 @@ class RealKvSource:
                 "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
                 f"(0, num_bytes_per_token={num_bytes_per_token}], got {read_bytes}"
             )
-        tensor = A.as_array(tensor, "RealKvSource.tensor")
-        if tensor.ndim < 2:
-            raise ValueError(
-                f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape {tuple(tensor.shape)}"
-            )
-        row_stride_bytes = int(tensor.strides[0])
-        if row_stride_bytes % REAL_KV_ALIGN_BYTES:
-            raise ValueError(
-                "kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, got "
-                f"{row_stride_bytes} bytes (shape={tuple(tensor.shape)}, "
-                f"strides={tuple(tensor.strides)}, dtype={tensor.dtype})"
-            )
-        if tensor.shape[-1] > 1 and int(tensor.strides[-1]) != tensor.dtype.itemsize:
-            raise ValueError(
-                "kv-canary: RealKvSource.tensor last dimension must be unit-stride, got "
-                f"strides={tuple(tensor.strides)} for dtype={tensor.dtype}"
-            )
-        object.__setattr__(self, "tensor", tensor)
-        object.__setattr__(self, "page_size", int(page_size))
-        object.__setattr__(self, "num_bytes_per_token", int(num_bytes_per_token))
-        object.__setattr__(self, "read_bytes", int(read_bytes))
 
     @property
     def row_stride_bytes(self) -> int:
@@ -83,8 +89,8 @@ class RealKvSource:
 
     @property
     def row_bytes(self) -> int:
-        """Readable bytes per row (dim-1 width of the uint8 view)."""
-        return int(self.tensor.shape[1]) * self.tensor.dtype.itemsize
+        """Readable bytes per row."""
+        return int(self.tensor.shape[1])
 
     @property
     def num_slots(self) -> int:
@@ -98,20 +104,48 @@ class RealKvSource:
             return REAL_KV_PARTIAL_READ_BYTES
         return self.read_bytes
 
-    def byte_rows(self):
-        """The tensor as a 2-D uint8 view ``[rows, row_bytes]`` sharing its memory."""
-        t = self.tensor
-        return t if t.dtype == np.uint8 else t.view(np.uint8)
+    def check_fits(self, num_slots: int, name: str) -> None:
+        """Every one of ``num_slots`` canary slots has its bytes here (checked when hashing)."""
+        min_row_bytes = self.page_size * self.num_bytes_per_token
+        if self.row_bytes < min_row_bytes:
+            raise ValueError(
+                "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is "
+                f"{self.row_bytes} bytes but page_size={self.page_size} x "
+                f"num_bytes_per_token={self.num_bytes_per_token} needs {min_row_bytes}"
+            )
+        if self.num_slots < num_slots:
+            raise ValueError(
+                f"kv-canary: {name} holds {self.num_slots} slots "
+                f"({self.tensor.shape[0]} rows x page_size {self.page_size}) but "
+                f"canary_buf has {num_slots}; every canary slot needs its real KV bytes"
+            )
 
 
-@dataclass(eq=False)
+def _byte_rows(tensor, name: str):
+    """A source tensor as ``uint8 [rows, row_bytes]`` over the same memory: 2-D, its last
+    dimension unit-stride, its row stride a multiple of 16 bytes (the kernels' loads)."""
+    view = A.byte_view(tensor, name)
+    if len(view.shape) < 2:
+        raise ValueError(f"kv-canary: {name} must be at least 2-D, got shape {view.shape}")
+    if len(view.shape) != 2:
+        raise ValueError(
+            f"kv-canary: {name} (viewed as uint8) must be 2-D, got {len(view.shape)}-D")
+    if view.strides[0] % REAL_KV_ALIGN_BYTES:
+        raise ValueError(
+            f"kv-canary: {name} row stride must be a multiple of 16 bytes, got "
+            f"{view.strides[0]} bytes (shape={view.shape}, strides={view.strides}, "
+            f"dtype={view.dtype})"
+        )
+    if view.array is None:
+        raise ValueError(
+            f"kv-canary: {name} last dimension must be unit-stride, got "
+            f"strides={view.strides} for dtype={view.dtype}"
+        )
+    return view.array
+
+
 class VerifyPlan:
-    verify_slot_indices: object
-    verify_expected_tokens: object
-    verify_expected_positions: object
-    verify_prev_slot_indices: object
-    verify_num_valid: object
-    enable: object
+    """Which prefix slots one verify launch checks, and against what (upstream's fields)."""
 
     FIELDS = (
         "verify_slot_indices",
@@ -120,9 +154,17 @@ class VerifyPlan:
         "verify_prev_slot_indices",
     )
 
-    def __post_init__(self):
-        for name in self.FIELDS + ("verify_num_valid", "enable"):
-            setattr(self, name, A.as_array(getattr(self, name), f"plan.{name}"))
+    def __init__(self, verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+                 verify_prev_slot_indices, verify_num_valid, enable):
+        self.verify_slot_indices = A.as_array(verify_slot_indices, "plan.verify_slot_indices")
+        self.verify_expected_tokens = A.as_array(verify_expected_tokens,
+                                                 "plan.verify_expected_tokens")
+        self.verify_expected_positions = A.as_array(verify_expected_positions,
+                                                    "plan.verify_expected_positions")
+        self.verify_prev_slot_indices = A.as_array(verify_prev_slot_indices,
+                                                   "plan.verify_prev_slot_indices")
+        self.verify_num_valid = A.as_array(verify_num_valid, "plan.verify_num_valid")
+        self.enable = A.as_array(enable, "plan.enable")
 
     @classmethod
     def allocate(cls, verify_capacity: int, xp=np) -> "VerifyPlan":
@@ -139,10 +181,6 @@ class VerifyPlan:
             enable=xp.ones(1, dtype=xp.int32),
         )
 
-    @staticmethod
-    def allocation_bytes(verify_capacity: int) -> int:
-        return 4 * verify_capacity * 8 + 2 * 4
-
     @property
     def verify_capacity(self) -> int:
         return int(self.verify_slot_indices.shape[0])
@@ -158,15 +196,15 @@ class VerifyPlan:
         A.check_array(self.enable, "plan.enable", _INT32, 1, 1)
 
 
-@dataclass(eq=False)
 class WritePlan:
-    write_offsets: object
-    write_seed_slot_indices: object
-    write_num_valid_reqs: object
+    """Which requests one write launch stamps: CSR offsets into the step's tokens and each
+    request's seed slot (upstream's fields)."""
 
-    def __post_init__(self):
-        for name in ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs"):
-            setattr(self, name, A.as_array(getattr(self, name), f"plan.{name}"))
+    def __init__(self, write_offsets, write_seed_slot_indices, write_num_valid_reqs):
+        self.write_offsets = A.as_array(write_offsets, "plan.write_offsets")
+        self.write_seed_slot_indices = A.as_array(write_seed_slot_indices,
+                                                  "plan.write_seed_slot_indices")
+        self.write_num_valid_reqs = A.as_array(write_num_valid_reqs, "plan.write_num_valid_reqs")
 
     @classmethod
     def allocate(cls, write_req_capacity: int, xp=np) -> "WritePlan":
@@ -204,17 +242,13 @@ class WritePlan:
             )
 
 
-@dataclass(eq=False)
 class ViolationLog:
     """The shared violation sink: an ``int64[cap, 8]`` ring that never wraps and an
     ``int32[1]`` index that always counts, so ``write_index - cap`` rows were dropped."""
 
-    ring: object
-    write_index: object
-
-    def __post_init__(self):
-        self.ring = A.as_array(self.ring, "violation_ring")
-        self.write_index = A.as_array(self.write_index, "violation_write_index")
+    def __init__(self, ring, write_index):
+        self.ring = A.as_array(ring, "violation_ring")
+        self.write_index = A.as_array(write_index, "violation_write_index")
 
     @classmethod
     def allocate(cls, ring_capacity: int, xp=np) -> "ViolationLog":
@@ -284,19 +318,8 @@ def _host(array) -> np.ndarray:
     return array.get() if A.is_cupy_array(array) else np.asarray(array)
 
 
-@dataclass(eq=False)
 class CanaryContext:
     """Everything a write or verify launch needs besides its plan (spec §2.8)."""
-
-    canary_buf: object
-    kernel_kind: int
-    violation_log: ViolationLog
-    slot_run_counter: object
-    kernel_run_counter: object
-    real_kv_sources: tuple = ()
-    real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE
-    enable_chain_position_assert: object = None
-    max_real_kv_sources: int = MAX_REAL_KV_SOURCES
 
     def __init__(
         self,
@@ -324,19 +347,7 @@ class CanaryContext:
         self.enable_chain_position_assert = A.as_array(
             enable_chain_position_assert, "enable_chain_position_assert"
         )
-        if not (1 <= int(max_real_kv_sources) <= MAX_REAL_KV_SOURCES_LIMIT):
-            raise ValueError(
-                f"kv-canary: max_real_kv_sources must be in [1, {MAX_REAL_KV_SOURCES_LIMIT}], "
-                f"got {max_real_kv_sources}"
-            )
-        self.max_real_kv_sources = int(max_real_kv_sources)
-
-    @property
-    def launch_tag(self):
-        try:
-            return LaunchTag(self.kernel_kind)
-        except ValueError:
-            return None
+        self.max_real_kv_sources = check_source_bound(max_real_kv_sources)
 
     @property
     def num_slots(self) -> int:
@@ -349,15 +360,7 @@ class CanaryContext:
 
     def validate_sources(self) -> None:
         """The source-count bound: checked first, on every backend, before any launch."""
-        bound = self.max_real_kv_sources
-        if len(self.real_kv_sources) > bound:
-            raise ValueError(
-                f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "
-                f"got {len(self.real_kv_sources)}\n"
-                f"(pass CanaryContext(max_real_kv_sources=N) with N >= "
-                f"{len(self.real_kv_sources)}, at most {MAX_REAL_KV_SOURCES_LIMIT}, to compile "
-                "a kernel variant with more sources; no rebuild is needed)"
-            )
+        check_source_count(len(self.real_kv_sources), self.max_real_kv_sources)
         for index, source in enumerate(self.real_kv_sources):
             if not isinstance(source, RealKvSource):
                 raise TypeError(
@@ -393,30 +396,13 @@ class CanaryContext:
         library = A.library_of(buf)
         for index, source in enumerate(self.real_kv_sources):
             name = f"real_kv_sources[{index}].tensor"
-            if source.tensor.ndim != 2:
-                raise ValueError(
-                    f"kv-canary: {name} (viewed as uint8) must be 2-D, got {source.tensor.ndim}-D"
-                )
             if A.library_of(source.tensor) != library:
                 raise ValueError(
                     f"kv-canary: {name} is a {A.library_of(source.tensor)} array but canary_buf "
                     f"is a {library} array; pass arrays of one library"
                 )
-            if not self.hashing:
-                continue  # NONE mode never dereferences a source
-            min_row_bytes = source.page_size * source.num_bytes_per_token
-            if source.row_bytes < min_row_bytes:
-                raise ValueError(
-                    "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is "
-                    f"{source.row_bytes} bytes but page_size={source.page_size} x "
-                    f"num_bytes_per_token={source.num_bytes_per_token} needs {min_row_bytes}"
-                )
-            if source.num_slots < self.num_slots:
-                raise ValueError(
-                    f"kv-canary: {name} holds {source.num_slots} slots "
-                    f"({source.tensor.shape[0]} rows x page_size {source.page_size}) but "
-                    f"canary_buf has {self.num_slots}; every canary slot needs its real KV bytes"
-                )
+            if self.hashing:  # NONE mode never dereferences a source
+                source.check_fits(self.num_slots, name)
 
 
 def _namespace(array):

@@ -15,8 +15,10 @@ import re
 
 import numpy as np
 
-from ..consts import MAX_REAL_KV_SOURCES_LIMIT, RealKvHashMode
+from ..consts import RealKvHashMode
 from ..kernel_source import kernel_dir
+from ..types import check_source_bound as check_bound
+from ..types import check_source_count
 
 # Kernel source file and entry points of each launch.
 KERNEL_FILES = {
@@ -36,16 +38,6 @@ WRITE_THREADS_PER_BLOCK = 128
 
 # ---------------------------------------------------------------------------------------
 # Compile settings (shared with the NVRTC compile check and the CPU harness)
-
-
-def check_bound(max_real_kv_sources: int) -> int:
-    bound = int(max_real_kv_sources)
-    if not 1 <= bound <= MAX_REAL_KV_SOURCES_LIMIT:
-        raise ValueError(
-            f"kv-canary: max_real_kv_sources must be in [1, {MAX_REAL_KV_SOURCES_LIMIT}], "
-            f"got {max_real_kv_sources}"
-        )
-    return bound
 
 
 def compile_defines(kernel: str, max_real_kv_sources: int | None,
@@ -124,11 +116,7 @@ def pack_sources(context) -> np.void:
     dtype = sources_dtype(context.max_real_kv_sources)
     packed = np.zeros((), dtype=dtype)
     sources = context.real_kv_sources
-    if len(sources) > context.max_real_kv_sources:
-        raise ValueError(
-            f"kv-canary: at most {context.max_real_kv_sources} RealKvSource entries supported "
-            f"by the CUDA ABI, got {len(sources)}"
-        )
+    check_source_count(len(sources), context.max_real_kv_sources)
     if context.hashing:
         for index, source in enumerate(sources):
             entry = packed["src"][index]

@@ -19,7 +19,7 @@ _CHUNK_SLOTS = 1 << 13
 
 def slot_bytes(source, slots: np.ndarray, num_bytes: int) -> np.ndarray:
     """``uint8[n, num_bytes]``: the leading bytes of each slot in ``source``."""
-    rows = source.byte_rows()
+    rows = source.tensor
     paged = as_strided(
         rows,
         shape=(rows.shape[0], source.page_size, source.num_bytes_per_token),

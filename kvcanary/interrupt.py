@@ -1,0 +1,139 @@
+"""Stopping at once on Ctrl-C or SIGTERM.
+
+Inside :func:`signals_raise` the first SIGINT or SIGTERM raises :class:`Interrupted` in the
+main thread (later ones are ignored while the program unwinds). :class:`WorkerPool` runs tasks
+in processes that ignore SIGINT - a terminal sends it to the whole process group, and the
+parent decides what happens - and kills them when the parent stops early, so no worker runs on
+after it and none is replaced by a fresh one waiting for tasks that will never come.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import multiprocessing
+import signal
+import threading
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+WORKER_EXIT_WAIT_S = 2.0   # a killed worker is gone in milliseconds; never wait forever
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived. A BaseException, like KeyboardInterrupt, so that handlers
+    of ordinary errors let it through."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(self.signal_name)
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_status(self) -> int:
+        """The shell's convention for a signal: 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """Make SIGINT and SIGTERM raise :class:`Interrupted` inside the block. A signal the
+    process was started to ignore (``nohup``) stays ignored; outside the main thread, where
+    Python cannot install handlers, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+
+    def handler(signum, frame):
+        for s in previous:   # unwinding (killing workers, a last record) must not be cut
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    for s, old in previous.items():
+        if old is not signal.SIG_IGN:
+            signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, signal.SIG_DFL if old is None else old)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Hold SIGINT and SIGTERM back (they are delivered when the block ends) around steps
+    that must not be separated, such as two renames. Signals are per thread: only the
+    calling thread is covered, and threads it starts inherit the hold."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _worker_started() -> None:
+    """A worker ignores SIGINT and dies of SIGTERM. It starts with both held back (see
+    :meth:`WorkerPool.map`), so neither can land while it is still importing."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a forked worker inherits the parent's
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class WorkerPool:
+    """``map`` over tasks in ``jobs`` processes (in this process when ``jobs`` is 1). Use it
+    as a context manager: leaving the block normally waits for the workers to finish; leaving
+    it with an exception (an interrupt, an error) kills them and returns at once."""
+
+    def __init__(self, jobs: int, *, start_method: str = "spawn"):
+        self._executor = None
+        if jobs > 1:
+            self._executor = concurrent.futures.ProcessPoolExecutor(
+                max_workers=jobs, mp_context=multiprocessing.get_context(start_method),
+                initializer=_worker_started)
+
+    def map(self, function, tasks, *, failed=None):
+        """``function(task)`` for every task, yielded in task order as each is ready. A task
+        whose worker died (killed, out of memory) or raised gives ``failed(task, exc)`` when
+        ``failed`` is given, and raises otherwise."""
+        if self._executor is None:
+            yield from map(function, tasks)
+            return
+        with signals_held():   # workers are started here: they inherit the hold
+            futures = [self._executor.submit(function, task) for task in tasks]
+        # Tasks left over when the caller stops early are cancelled by leaving the pool's
+        # block, not here: the pool's own thread must see the cancellation.
+        for task, future in zip(tasks, futures):
+            try:
+                yield future.result()
+            except Exception as exc:
+                if failed is None:
+                    raise
+                yield failed(task, exc)
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if self._executor is None:
+            return
+        if kind is not None:
+            self._kill_workers()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _kill_workers(self) -> None:
+        kill = getattr(self._executor, "kill_workers", None)   # Python 3.14
+        if kill is not None:
+            kill()
+            return
+        processes = list((self._executor._processes or {}).values())
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.join(WORKER_EXIT_WAIT_S)

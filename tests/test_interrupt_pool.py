@@ -1,0 +1,66 @@
+"""The pieces behind a clean stop: SIGINT and SIGTERM raise once and the handlers come back;
+pool workers ignore SIGINT, and are killed, not waited for, when the caller stops early."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from kvcanary.interrupt import Interrupted, WorkerPool, signals_raise
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="fork, signals and /proc: Linux only")
+
+
+def test_signals_raise_once_then_restore():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupted) as caught:
+        with signals_raise():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)           # the handler raises here, at once
+            finally:
+                os.kill(os.getpid(), signal.SIGINT)   # while unwinding: ignored
+                time.sleep(0.05)
+    assert caught.value.exit_status == 143 and caught.value.signal_name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_pool_kills_its_workers_when_the_caller_stops_early(start_method):
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="caller stops"):
+        with WorkerPool(2, start_method=start_method) as pool:
+            results = pool.map(_pid_after, [0.0, 0.0, 60.0, 60.0, 60.0])
+            workers = {next(results), next(results)}
+            raise RuntimeError("caller stops")
+    assert time.monotonic() - started < 20   # not the 60 s tasks
+    deadline = time.monotonic() + 5
+    while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in workers), workers
+
+
+def test_pool_workers_ignore_sigint_and_report_a_dead_worker():
+    with WorkerPool(2, start_method="spawn") as pool:
+        assert list(pool.map(signal.getsignal, [signal.SIGINT] * 2)) == [signal.SIG_IGN] * 2
+    with WorkerPool(2, start_method="spawn") as pool:
+        (outcome,) = pool.map(os._exit, [3], failed=lambda task, exc: ("failed", task))
+    assert outcome == ("failed", 3)
