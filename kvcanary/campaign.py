@@ -60,12 +60,12 @@ LOW, HIGH = f"byte < {REAL_KV_PARTIAL_READ_BYTES}", f"byte >= {REAL_KV_PARTIAL_R
 
 # Faults of one kind per class in one injection: every entry of the scarce classes (a few per
 # run), a few of the plentiful ones.
-PER_INJECTION = {"head": 64, "window-head": 64, "last": 64, "chunk-boundary": 64, "shared": 8,
+PER_INJECTION = {"head": 64, "window-head": 64, "last": 64, "chunk-boundary": 64, "shared": 32,
                  "cached": 8, "interior": 8}
 # Expected faults of one kind per class and run (measured over sampled workloads), to size a
 # round; the next round fixes any shortfall.
-CLASS_YIELD = {"head": 7.0, "window-head": 6.0, "last": 14.0, "chunk-boundary": 14.0,
-               "shared": 4.0, "cached": 7.5, "interior": 7.5}
+CLASS_YIELD = {"head": 6.0, "window-head": 6.0, "last": 15.0, "chunk-boundary": 26.0,
+               "shared": 6.0, "cached": 8.0, "interior": 8.0}
 # Classes in the order an injection fills them: the scarce ones first.
 FILL_ORDER = ("head", "window-head", "last", "chunk-boundary", "shared", "cached", "interior")
 CLEAN_RUN_CLASSES = ("shared", "window-head", "chunk-boundary")
@@ -286,7 +286,8 @@ def _score_injection(out: dict, config, backends, synthesis, done) -> None:
     """Audit one injection's faulty state and score every fault into the run's cells."""
     d = _dump(synthesis.arrays())
     faults = faults_from_dump(d)
-    out["targets"] += [(f.kind, f.target, f.request_row, f.position, f.slot) for f in faults]
+    out["targets"].append([(f.kind, f.target, f.request_row, f.position, f.slot)
+                           for f in faults])
     mode = config["mode"]
     for backend, rules, result in _audits(d, backends):
         out["unattributed"] += result.unattributed
@@ -542,7 +543,7 @@ def _yield(target: str, kind: str, mode: str, scope: str, sources_share: float =
             n *= 0.55
         elif scope == HIGH:
             n *= 0.4
-    return max(0.5, n * 0.9)
+    return max(0.5, n * 0.95)
 
 
 def run_campaign(*, faults_per_kind: int = 1000, clean_runs: int = 200, seed: int = 0,

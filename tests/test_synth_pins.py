@@ -17,15 +17,15 @@ SMALL = dict(requests=24, num_slots=1024, max_running=8, prompt_len=(8, 48), out
              shared_prefix_len=(16, 40))
 
 SYNTH_PINS = [
-    (dict(seed=0), "c510ca14474421dfd36037d280bd662d6d492a1b1a798ac898216ed0287d537a"),
+    (dict(seed=0), "edf19ed04df0f647e1e7f1f3fc7a667232b3c663cca2ef7ebd62801c9cab444d"),
     (dict(seed=5, page_size=4, swa_window=24, sources=3, mode="partial"),
-     "c9f6a801296219990c4b82dd6a3aacc6af087dc7fa7b0bed02737772bf147052"),
+     "2a1f9743e70163447da8a8c6dc71dcf088e73e07e47c4d8ca015b18b6ff8697b"),
     (dict(seed=1, page_size=16, num_slots=2048, sources=2, chunk_size=17),
-     "9a51ac899fd9702d9940f09c47fa148cbdea8722cfa66a7a58af215761e39b4d"),
+     "76df25110302bd9cba3c2fae4171edf3c690e446e548cfe2b2e29e5c4dd21f8f"),
     (dict(seed=2, swa_window=40, sources=4, mode="none", bytes_per_token=48),
-     "7fd6a991122af3cf6c3b5baf5ed37ef82517bd646d0c6d2e331ad12349b6e106"),
+     "e00b5d8690d6e55d9a85e6304117f6f6ae437a11359ba307abb50d20335a468f"),
 ]
-CAMPAIGN_PIN = "8f7787704a162378535e1bb89f59b0d669d469d97ebb600f5dc01c2f5d7e4210"
+CAMPAIGN_PIN = "d81bce76e027a3173872857a6032416dea32a40d05cd845573e48a063ab7a556"
 
 
 def digest_arrays(arrays: dict) -> str:

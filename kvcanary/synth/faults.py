@@ -172,6 +172,7 @@ class FaultInjector:
         self._sweep = None
         self.blocked = None                # canary slot -> taken or next to a target
         self.real_kv_faults = 0
+        self._rewrites = []                # stale-reuse (slot, token, position) to write
 
     def inject(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
         """Inject ``count`` faults of ``kind`` at ``target`` entries; all or an error."""
@@ -194,15 +195,18 @@ class FaultInjector:
             raise SynthError("--inject real-kv-byte needs at least one real-KV source "
                              "(--sources >= 1)")
         made = []
-        for _ in range(count):
-            state = s.rng.bit_generator.state
-            try:
-                fault = getattr(self, "_inject_" + kind.replace("-", "_"))(target)
-            except _NoTarget:
-                s.rng.bit_generator.state = state
-                break
-            s.faults.append(fault)
-            made.append(fault)
+        try:
+            for _ in range(count):
+                state = s.rng.bit_generator.state
+                try:
+                    fault = getattr(self, "_inject_" + kind.replace("-", "_"))(target)
+                except _NoTarget:
+                    s.rng.bit_generator.state = state
+                    break
+                s.faults.append(fault)
+                made.append(fault)
+        finally:
+            self._write_rewrites()
         return made
 
     # ------------------------------------------------------------------ entries
@@ -418,20 +422,30 @@ class FaultInjector:
         slot = int(self.entries().slot[i])
         p = int(self.entries().position[i])
         new_position = p + 1 + int(s.rng.integers(1, 64))
-        token = s.workload.tokens(1).astype(np.int64)
-        positions = np.array([new_position], dtype=np.int64)
-        slots = np.array([slot], dtype=np.int64)
-        s.pool.write_kv(slots, token, positions)
-        plan = WritePlan(write_offsets=np.array([0, 1], dtype=np.int64),
-                         write_seed_slot_indices=np.array([-1], dtype=np.int64),
-                         write_num_valid_reqs=np.array([1], dtype=np.int32))
-        api.write(s.pool.context, plan, input_ids=token, positions=positions,
-                  out_cache_loc=slots, backend=s.config.backend)
+        token = int(s.workload.tokens(1)[0])
+        s.pool.write_kv(np.array([slot], dtype=np.int64), np.array([token], dtype=np.int64),
+                        np.array([new_position], dtype=np.int64))
         s.pool.write_count[slot] += 1
+        self._rewrites.append((slot, token, new_position))
         self._take(slot)
         return self._fault("stale-reuse", target, i, self._record_sites("stale-reuse", slot),
                            detail=new_position,
                            note=f"rewritten as position {new_position} of another sequence")
+
+    def _write_rewrites(self) -> None:
+        """Write the pending stale-reuse records in one launch: each its own one-token
+        sequence (a chain head), as if written one by one. No other fault touches their
+        slots, so writing them at the end of an ``inject`` call changes nothing else."""
+        if not self._rewrites:
+            return
+        slots, tokens, positions = (np.array(v, dtype=np.int64) for v in zip(*self._rewrites))
+        n = slots.shape[0]
+        self._rewrites = []
+        plan = WritePlan(write_offsets=np.arange(n + 1, dtype=np.int64),
+                         write_seed_slot_indices=np.full(n, -1, dtype=np.int64),
+                         write_num_valid_reqs=np.array([n], dtype=np.int32))
+        api.write(self.s.pool.context, plan, input_ids=tokens, positions=positions,
+                  out_cache_loc=slots, backend=self.s.config.backend)
 
     # ------------------------------------------------------------------ table faults
 

@@ -37,7 +37,9 @@ def faults_from_dump(dump) -> list:
     if "synth_fault_kind" not in extra:
         return []
     names = str(extra.get("synth_fault_kinds", ",".join(FAULT_KINDS))).split(",")
-    get = lambda key: np.asarray(extra[f"synth_fault_{key}"]).astype(np.int64).tolist()  # noqa: E731
+    def get(key):
+        return np.asarray(extra[f"synth_fault_{key}"]).astype(np.int64).tolist()
+
     faults = [Fault(kind=names[k], batch_index=b, request_row=r, position=p, slot=s,
                     expected_bits=e, visible=bool(v), detail=d)
               for k, b, r, p, s, e, v, d in zip(get("kind"), get("batch_index"),
