@@ -69,7 +69,8 @@ def make_config(mode: str, **values):
               help="Inject a fault after the run (repeatable; KIND 'all' for every kind): "
                    "token, position, prev-hash, real-kv-byte, alias, swap, stale-reuse, "
                    "slot-zero, lost-write; at target CLASS (default interior): head, "
-                   "interior, last, chunk-boundary, window-head, shared, cached.")
+                   "interior, last, chunk-boundary, window-head, shared, cached; or "
+                   "KIND+KIND:PAIRS@shared-block|chain-seam for interacting pairs.")
 def synth_command(out, mode, backend, inject, **values):
     """Simulate serving and write the canary dump OUT (.npz, .safetensors or a directory)."""
     from kvcanary import dump
@@ -104,5 +105,6 @@ def synth_command(out, mode, backend, inject, **values):
                f"blocks evicted, {s.slots_reused} slot reuses, {s.verify_launches} verify "
                f"launches clean, {s.elapsed_s:.2f}s")
     for fault in synthesis.faults:
-        click.echo(f"injected {fault.kind}: request row {fault.request_row}, position "
-                   f"{fault.position}, slot {fault.slot}" + (f" ({fault.note})" if fault.note else ""))
+        click.echo(f"injected {fault.kind} at {fault.target}: request row "
+                   f"{fault.request_row}, position {fault.position}, slot {fault.slot}"
+                   + (f" ({fault.note})" if fault.note else ""))

@@ -48,6 +48,7 @@ from .consts import REAL_KV_PARTIAL_READ_BYTES
 from .interrupt import WorkerPool
 from .synth import (FAULT_KINDS, MODES, TARGET_CLASSES, SynthConfig, SynthError, Synthesis,
                     faults_from_dump, score)
+from .synth.faults import PAIR_KINDS, PAIR_SHAPES, PAIRS_NOT_UNION
 from .violations import reason_labels
 
 RULES = ("kvcanary", "compat")
@@ -68,6 +69,10 @@ CLASS_YIELD = {"head": 6.0, "window-head": 6.0, "last": 15.0, "chunk-boundary": 
                "shared": 6.0, "cached": 8.0, "interior": 8.0}
 # Classes in the order an injection fills them: the scarce ones first.
 FILL_ORDER = ("head", "window-head", "last", "chunk-boundary", "shared", "cached", "interior")
+# Every fault run ends with one injection of interacting pairs: this many kind pairs per
+# shape, this many pairs of each.
+PAIR_COMBOS_PER_RUN, PAIRS_PER_COMBO = 2, 4
+PAIR_COMBOS = [(a, b) for a in PAIR_KINDS for b in PAIR_KINDS if (a, b) not in PAIRS_NOT_UNION]
 CLEAN_RUN_CLASSES = ("shared", "window-head", "chunk-boundary")
 CLEAN_RUN_ATTEMPTS = 20
 
@@ -252,8 +257,8 @@ def _simulate(out: dict, config):
 
 def target_census(synthesis) -> dict:
     """Target class -> verify entries of that class in a synthesis's state."""
-    return {target: int(mask.sum())
-            for target, mask in synthesis.injector.entries().masks.items()}
+    masks = synthesis.injector.entries().masks
+    return {target: int(masks[target].sum()) for target in TARGET_CLASSES}
 
 
 def _fp_key(where: str, backend: str, rules: str) -> str:
@@ -269,13 +274,13 @@ def run_fault_task(task: dict) -> dict:
     if clean is None:
         return out
     _audit_clean(out, config, clean, backends, "prefault", "clean state of a fault run")
-    for kind, targets in task["plan"]:
+    for injection in task["plan"]:
         synthesis = copy.deepcopy(clean)
         done = []
-        for target, want in targets:
+        for kind, want, target in injection:
             made = synthesis.inject_up_to(kind, want, target)
             if made:
-                done.append((kind, len(made), target))
+                done.append((kind, len(made) // (2 if target in PAIR_SHAPES else 1), target))
         if done:
             out["injections"].append(done)
             _score_injection(out, config, backends, synthesis, done)
@@ -625,10 +630,13 @@ def _fault_phase(report, runner, progress) -> None:
                 for k in FAULT_KINDS:
                     if k == "real-kv-byte" and config["sources"] == 0:
                         continue
-                    targets = [(t, PER_INJECTION[t]) for t in FILL_ORDER if need[(t, k)] > i]
+                    targets = [(k, PER_INJECTION[t], t) for t in FILL_ORDER if need[(t, k)] > i]
                     if targets:
-                        plan += [(k, targets if j == 0 else targets[::-1])
+                        plan += [targets if j == 0 else targets[::-1]
                                  for j in range(injections(k, mode))]
+                combos = rng.choice(len(PAIR_COMBOS), PAIR_COMBOS_PER_RUN, replace=False)
+                plan.append([("+".join(PAIR_COMBOS[c]), PAIRS_PER_COMBO, shape)
+                             for shape in PAIR_SHAPES for c in combos.tolist()])
                 tasks.append({"index": index, "config": config, "backends": report.backends,
                               "plan": plan})
                 index += 1
@@ -694,14 +702,15 @@ CLASS_HEADER = ["target", "injected", "designed to see", "detected", "rate",
                 "not designed to see", "sites checked", "faults seen by 2+ request rows"]
 
 
-def class_rows(report: CampaignReport, backend: str, rules: str) -> list:
-    """Totals per target class: ``CLASS_HEADER`` columns."""
+def class_rows(report: CampaignReport, backend: str, rules: str,
+               targets=TARGET_CLASSES) -> list:
+    """Totals per target class (or pair shape): ``CLASS_HEADER`` columns."""
     rows = []
-    for target in TARGET_CLASSES:
+    for target in targets:
         total = Cell()
-        for t, kind, mode, scope in all_cells():
-            if t == target:
-                total.add(report.cell(backend, rules, target, kind, mode, scope))
+        for (b, r, t, _, _, _), cell in report.cells.items():
+            if (b, r, t) == (backend, rules, target):
+                total.add(cell)
         rate = f"{100.0 * total.detected / total.visible:.2f}%" if total.visible else "-"
         rows.append([target, str(total.injected), str(total.visible), str(total.detected), rate,
                      str(total.injected - total.visible), str(total.sites),
@@ -785,6 +794,11 @@ def render_markdown(report: CampaignReport) -> str:
         for rules in RULES:
             out += ["", f"### {backend} backend, {RULE_WORDS[rules]}: totals by target class", ""]
             out += _markdown_table(CLASS_HEADER, class_rows(report, backend, rules))
+    out += ["", "### Interacting faults (pairs, each fault scored at its own sites)", ""]
+    out += _markdown_table(["backend", "rules"] + CLASS_HEADER, [
+        [backend, rules] + row for backend in report.backends for rules in RULES
+        for row in class_rows(report, backend, rules, PAIR_SHAPES)])
+    out += [""] + [f"- not paired: {a} + {b}: {why}" for (a, b), why in PAIRS_NOT_UNION.items()]
     for backend in report.backends:
         for rules in RULES:
             out += ["", f"### {backend} backend, {RULE_WORDS[rules]}", ""]
@@ -815,6 +829,12 @@ def render_text(report: CampaignReport) -> str:
                 out.append("  ".join(cells + [row[-1]]).rstrip())
                 if n == 0:
                     out.append("-" * (sum(widths) + 2 * len(widths) + len("status")))
+    out += ["", "interacting pairs:"]
+    for backend in report.backends:
+        for rules in RULES:
+            for row in class_rows(report, backend, rules, PAIR_SHAPES):
+                out.append(f"  {backend} {rules} {row[0]}: {row[1]} faults, {row[3]} of "
+                           f"{row[2]} detected ({row[4]})")
     out += [""] + _verdict_lines(report)
     return "\n".join(out) + "\n"
 

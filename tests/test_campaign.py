@@ -118,14 +118,16 @@ def test_every_setting_is_sampled():
 def test_printed_command_rebuilds_the_faults(tmp_path):
     config = sample_config(np.random.default_rng(5), "partial")
     config["sources"] = 2
-    plan = [(kind, [(target, campaign.PER_INJECTION[target]) for target in campaign.FILL_ORDER])
+    plan = [[(kind, campaign.PER_INJECTION[target], target) for target in campaign.FILL_ORDER]
             for kind in ("token", "swap", "real-kv-byte")]
+    plan.append([("position+token", 4, "shared-block"), ("alias+prev-hash", 4, "chain-seam")])
     out = run_fault_task({"index": 0, "config": config, "backends": ["numpy"], "plan": plan})
-    assert len(out["injections"]) == 3 and not out["misses"]
+    assert len(out["injections"]) == 4 and not out["misses"]
     for index, done in enumerate(out["injections"]):
         # Classes with fewer free entries than asked get what there is; the command names
         # the counts placed, so it rebuilds the same faults.
-        assert {"interior", "last", "cached"} <= {target for _, _, target in done}
+        assert ({"interior", "last", "cached"} <= {target for _, _, target in done}
+                or {target for _, _, target in done} == {"shared-block", "chain-seam"})
         path = tmp_path / f"r{index}.npz"
         command = campaign.synth_command(config, done).replace("repro.npz", str(path))
         args = shlex.split(command)

@@ -139,6 +139,9 @@ def test_parse_inject_and_bad_options():
     assert [t for _, _, t in parse_inject(["swap:2@all"])] == list(TARGET_CLASSES)
     with pytest.raises(SynthError, match="unknown target class 'middle'"):
         parse_inject(["token@middle"])
+    assert parse_inject(["token+alias:2@chain-seam"]) == [("token+alias", 2, "chain-seam")]
+    with pytest.raises(SynthError, match="a pair shape takes KIND\\+KIND"):
+        parse_inject(["slot-zero+token@shared-block"])
     with pytest.raises(SynthError, match="unknown fault kind 'bogus'"):
         parse_inject(["bogus"])
     with pytest.raises(SynthError, match="COUNT must be an integer"):

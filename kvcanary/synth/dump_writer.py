@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .faults import FAULT_KINDS, SWEEP, TARGET_CLASSES
+from .faults import FAULT_KINDS, PAIR_SHAPES, SWEEP, TARGET_CLASSES
 from .prefix_cache import SweepIndex
 
 
@@ -62,9 +62,9 @@ def dump_arrays(synthesis) -> dict:
     for name in ("batch_index", "request_row", "position", "slot", "expected_bits", "detail"):
         out[f"synth_fault_{name}"] = np.array([getattr(x, name) for x in f], dtype=np.int64)
     out["synth_fault_visible"] = np.array([int(x.visible) for x in f], dtype=np.int64)
-    out["synth_fault_targets"] = ",".join(TARGET_CLASSES)
-    out["synth_fault_target"] = np.array([TARGET_CLASSES.index(x.target) for x in f],
-                                         dtype=np.int64)
+    targets = TARGET_CLASSES + PAIR_SHAPES
+    out["synth_fault_targets"] = ",".join(targets)
+    out["synth_fault_target"] = np.array([targets.index(x.target) for x in f], dtype=np.int64)
     # Sites, fault after fault: the entries each must fire at (sweep entries have row -1).
     sites = [site for x in f for site in x.sites]
     out["synth_fault_site_count"] = np.array([len(x.sites) for x in f], dtype=np.int64)

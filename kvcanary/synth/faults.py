@@ -53,6 +53,24 @@ TARGET_DESCRIPTIONS = {
     "shared": "a slot of a prefix-cache block that live requests map",
     "cached": "a slot of a prefix-cache block no live request maps (a sweep entry only)",
 }
+# Two faults placed next to each other where real bugs interact, ``KIND+KIND`` at a shape:
+# two entries of one shared prefix-cache block, or a shared prefix's last entry and the first
+# entry the request wrote after it (a chain seam). Each fault is scored at its own sites, so
+# a site both reach must fire the union of their bits. slot-zero is not paired: a predecessor
+# in slot 0 makes the next entry's chain check vacuous (verify's unfilled-slot rule), so it
+# would hide a chain fault beside it; real-kv-byte is not paired either (mode-dependent).
+PAIR_SHAPES = ("shared-block", "chain-seam")
+PAIR_KINDS = ("token", "position", "prev-hash", "alias", "stale-reuse", "lost-write")
+# Pairs whose joint effect is not the union of each alone, and why.
+PAIRS_NOT_UNION = {
+    ("lost-write", "lost-write"): "the chain link of an all-zero record is 0, so a zeroed "
+                                  "record right after another zeroed record holds a "
+                                  "consistent link: only the position check sees the second",
+}
+PAIR_DESCRIPTIONS = {
+    "shared-block": "two faults in one prefix-cache block that live requests map",
+    "chain-seam": "a fault on a shared prefix's last entry and one on the request's next entry",
+}
 # Bits a fault fires at an interior target (other targets: :func:`site_bits`).
 EXPECTED_BITS = {
     "token": FailReason.VERIFY_TOKEN_MISMATCH,
@@ -117,7 +135,8 @@ class Fault:
 
 def parse_inject(specs) -> list:
     """``["token", "alias:3@head"]`` -> ``[("token", 1, "interior"), ("alias", 3, "head")]``;
-    kind ``all`` means every kind, class ``all`` every target class."""
+    kind ``all`` means every kind, class ``all`` every target class; ``token+position:2@
+    chain-seam`` places two interacting pairs."""
     result = []
     for spec in specs:
         body, _, target = spec.partition("@")
@@ -132,23 +151,25 @@ def parse_inject(specs) -> list:
         kinds = FAULT_KINDS if kind == "all" else (kind,)
         targets = TARGET_CLASSES if target == "all" else (target,)
         for name in kinds:
-            _check_kind(name)
             for where in targets:
-                _check_target(where)
+                _check(name, where)
                 result.append((name, number, where))
     return result
 
 
-def _check_kind(kind: str) -> None:
+def _check(kind: str, target: str) -> None:
+    if target in PAIR_SHAPES:
+        first, plus, second = kind.partition("+")
+        if not plus or first not in PAIR_KINDS or second not in PAIR_KINDS:
+            raise SynthError(f"--inject {kind}@{target}: a pair shape takes KIND+KIND, each "
+                             f"one of {', '.join(PAIR_KINDS)}")
+        return
     if kind not in FAULT_KINDS:
         raise SynthError(f"--inject: unknown fault kind {kind!r} (one of "
                          f"{', '.join(FAULT_KINDS)}, or all)")
-
-
-def _check_target(target: str) -> None:
     if target not in TARGET_CLASSES:
         raise SynthError(f"--inject: unknown target class {target!r} (one of "
-                         f"{', '.join(TARGET_CLASSES)}, or all)")
+                         f"{', '.join(TARGET_CLASSES + PAIR_SHAPES)}, or all)")
 
 
 @dataclass
@@ -177,7 +198,7 @@ class FaultInjector:
     def inject(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
         """Inject ``count`` faults of ``kind`` at ``target`` entries; all or an error."""
         made = self.inject_up_to(kind, count, target)
-        if len(made) < count:
+        if len(made) < count * (2 if target in PAIR_SHAPES else 1):
             raise SynthError(f"--inject {kind}:{count}@{target}: only {len(made)} distinct "
                              f"{target} entries to inject into; use more requests or fewer "
                              "faults")
@@ -187,8 +208,7 @@ class FaultInjector:
         """Inject up to ``count`` faults, stopping (with the generator untouched by the failed
         attempt) when no target entry is left."""
         s = self.s
-        _check_kind(kind)
-        _check_target(target)
+        _check(kind, target)
         if count < 1:
             raise SynthError(f"--inject {kind}: COUNT must be at least 1, got {count}")
         if kind == "real-kv-byte" and not s.sources:
@@ -199,12 +219,13 @@ class FaultInjector:
             for _ in range(count):
                 state = s.rng.bit_generator.state
                 try:
-                    fault = getattr(self, "_inject_" + kind.replace("-", "_"))(target)
+                    faults = (self._place_pair(kind, target) if target in PAIR_SHAPES
+                              else [self._apply(kind, target, self._pick_for(kind, target))])
                 except _NoTarget:
                     s.rng.bit_generator.state = state
                     break
-                s.faults.append(fault)
-                made.append(fault)
+                s.faults.extend(faults)
+                made.extend(faults)
         finally:
             self._write_rewrites()
         return made
@@ -266,6 +287,7 @@ class FaultInjector:
         inside = live & (p > mt["start"]) & (p < mt["seq_len"] - 1) & (prev != 0)
         sweep_mask = np.zeros(live.shape, dtype=bool)
         sweep_mask[~live] = unmapped
+        reachable = live & (prev != 0) & ~owned
         return {
             "head": head,
             "interior": inside & owned & (p > 0),
@@ -275,14 +297,47 @@ class FaultInjector:
             "window-head": window_head,
             "shared": inside & ~owned,
             "cached": sweep_mask & (prev != 0),
+            # first entries of the pair shapes (the second: ``_place_pair``)
+            "shared-block": reachable,
+            "chain-seam": reachable & (p == mt["matched"] - 1),
         }
 
     # ------------------------------------------------------------------ picking
 
-    def _pick(self, target: str, where=None) -> int:
-        """Index of a random free entry of ``target`` (and ``where``); raises _NoTarget."""
+    def _pick_for(self, kind: str, target: str) -> int:
+        """A lost write prefers a slot its first occupant wrote (a real never-written slot)."""
+        if kind == "lost-write":
+            e = self.entries()
+            try:
+                return self._pick(target, self.s.pool.write_count[e.slot] == 1)
+            except _NoTarget:
+                pass
+        return self._pick(target)
+
+    def _apply(self, kind: str, target: str, i: int) -> Fault:
+        return getattr(self, "_apply_" + kind.replace("-", "_"))(target, i)
+
+    def _place_pair(self, kinds: str, shape: str) -> list:
+        """Two interacting faults (see ``PAIR_SHAPES``): both entries are picked before
+        either fault is placed, so the second may neighbour the first."""
         e = self.entries()
-        mask = e.masks[target] & ~self.blocked[e.slot]
+        i = self._pick(shape)
+        row_mates = (e.batch == e.batch[i]) & (e.slot != e.slot[i]) & (e.prev != 0)
+        if shape == "shared-block":
+            block = self.s.config.block_tokens
+            j = self._pick("shared-block", row_mates
+                           & (e.position // block == e.position[i] // block))
+        else:
+            j = self._pick(None, row_mates & (e.position == e.position[i] + 1))
+        first, _, second = kinds.partition("+")
+        return [self._apply(first, shape, i), self._apply(second, shape, j)]
+
+    def _pick(self, target, where=None) -> int:
+        """Index of a random free entry of class ``target`` (any when None) and ``where``;
+        raises _NoTarget."""
+        e = self.entries()
+        mask = ~self.blocked[e.slot] if target is None else \
+            e.masks[target] & ~self.blocked[e.slot]
         if where is not None:
             mask &= where
         candidates = np.flatnonzero(mask)
@@ -343,27 +398,25 @@ class FaultInjector:
 
     # ------------------------------------------------------------------ record faults
 
-    def _record_fault(self, kind, target, change, *, where=None, detail=-1, note="",
+    def _record_fault(self, kind, target, i, change, *, detail=-1, note="",
                       real_kv_visible=False):
-        i = self._pick(target, where)
         slot = int(self.entries().slot[i])
         change(slot)
         self._take(slot)
         return self._fault(kind, target, i, self._record_sites(kind, slot, real_kv_visible),
                            detail=detail, note=note)
 
-    def _inject_token(self, target):
-        return self._record_fault("token", target,
+    def _apply_token(self, target, i):
+        return self._record_fault("token", target, i,
                                   lambda slot: self._fields().__setitem__(
                                       (slot, 0), self._fields()[slot, 0] + 1))
 
-    def _inject_position(self, target):
-        return self._record_fault("position", target,
+    def _apply_position(self, target, i):
+        return self._record_fault("position", target, i,
                                   lambda slot: self._fields().__setitem__(
                                       (slot, 1), self._fields()[slot, 1] + 1))
 
-    def _inject_prev_hash(self, target):
-        i = self._pick(target)
+    def _apply_prev_hash(self, target, i):
         bit = int(self.s.rng.integers(64))
         slot = int(self.entries().slot[i])
         self._fields()[slot, 2] ^= np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
@@ -371,10 +424,9 @@ class FaultInjector:
         return self._fault("prev-hash", target, i, self._record_sites("prev-hash", slot),
                            detail=bit)
 
-    def _inject_real_kv_byte(self, target):
+    def _apply_real_kv_byte(self, target, i):
         s = self.s
         c, rng = s.config, s.rng
-        i = self._pick(target)
         slot = int(self.entries().slot[i])
         k = self.real_kv_faults
         source = k % len(s.sources)
@@ -398,16 +450,11 @@ class FaultInjector:
                            self._record_sites("real-kv-byte", slot, visible),
                            detail=offset, note=note)
 
-    def _inject_lost_write(self, target):
+    def _apply_lost_write(self, target, i):
         s = self.s
-        e = self.entries()
-        try:
-            i = self._pick(target, s.pool.write_count[e.slot] == 1)
-            note = "slot never written (first occupant)"
-        except _NoTarget:
-            i = self._pick(target)
-            note = "slot had an earlier occupant; left zeroed"
-        slot = int(e.slot[i])
+        slot = int(self.entries().slot[i])
+        note = ("slot never written (first occupant)" if s.pool.write_count[slot] == 1 else
+                "slot had an earlier occupant; left zeroed")
         s.canary[slot] = 0
         ps = s.config.page_size
         for tensor in s.sources:
@@ -416,9 +463,8 @@ class FaultInjector:
         return self._fault("lost-write", target, i, self._record_sites("lost-write", slot),
                            note=note)
 
-    def _inject_stale_reuse(self, target):
+    def _apply_stale_reuse(self, target, i):
         s = self.s
-        i = self._pick(target)
         slot = int(self.entries().slot[i])
         p = int(self.entries().position[i])
         new_position = p + 1 + int(s.rng.integers(1, 64))
@@ -449,9 +495,8 @@ class FaultInjector:
 
     # ------------------------------------------------------------------ table faults
 
-    def _inject_alias(self, target):
+    def _apply_alias(self, target, i):
         e = self.entries()
-        i = self._pick(target)
         other = self._pick("interior", (e.batch != e.batch[i]) & (e.position != e.position[i])
                            & (e.slot != e.slot[i]))
         self._set_table(i, self._table_slot(other))
@@ -461,9 +506,8 @@ class FaultInjector:
                            note=f"now maps slot {into} (request row {int(e.row[other])}, "
                                 f"position {int(e.position[other])})")
 
-    def _inject_swap(self, target):
+    def _apply_swap(self, target, i):
         e = self.entries()
-        i = self._pick(target)
         same = (e.entry == e.entry[i]) & (np.abs(e.position - e.position[i]) > 1) \
             & (e.slot != e.slot[i])
         if e.entry[i] == 0:
@@ -478,8 +522,7 @@ class FaultInjector:
         return self._fault("swap", target, i, sites, detail=int(e.position[j]),
                            note=f"exchanged with position {int(e.position[j])}")
 
-    def _inject_slot_zero(self, target):
-        i = self._pick(target)
+    def _apply_slot_zero(self, target, i):
         self._set_table(i, 0)
         self._take(int(self.entries().slot[i]))
         return self._fault("slot-zero", target, i, (self._site("slot-zero", i, 0),),
