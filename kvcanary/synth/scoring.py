@@ -102,11 +102,11 @@ def _sites(fault: Fault) -> tuple:
 def _fired_at(fired: dict, site: Site) -> int:
     if site.slot >= 0:
         return fired.get((site.entry, site.request_row, site.position, site.slot), 0)
-    return sum_bits(bits for (entry, row, position, _), bits in fired.items()
+    return _union(bits for (entry, row, position, _), bits in fired.items()
                     if (entry, row, position) == (site.entry, site.request_row, site.position))
 
 
-def sum_bits(values) -> int:
+def _union(values) -> int:
     total = 0
     for value in values:
         total |= value
@@ -130,8 +130,8 @@ def score(faults, result) -> list:
                                    for site, bits in must)
         outcomes.append(FaultOutcome(
             kind=fault.kind, request_row=fault.request_row, position=fault.position,
-            slot=fault.slot, expected_bits=sum_bits(bits for _, bits in must), visible=visible,
-            detected=detected, fired_bits=sum_bits(got),
+            slot=fault.slot, expected_bits=_union(bits for _, bits in must), visible=visible,
+            detected=detected, fired_bits=_union(got),
             note=fault_note(fault, mode, result.compat), target=fault.target, sites=len(must),
             request_rows=len({site.request_row for site, _ in must if site.entry == REQUEST})))
     return outcomes
