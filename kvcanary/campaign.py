@@ -66,7 +66,7 @@ PER_INJECTION = {"head": 64, "window-head": 64, "last": 64, "chunk-boundary": 64
 # Expected faults of one kind per class and run (measured over sampled workloads), to size a
 # round; the next round fixes any shortfall.
 CLASS_YIELD = {"head": 6.0, "window-head": 6.0, "last": 15.0, "chunk-boundary": 26.0,
-               "shared": 6.0, "cached": 8.0, "interior": 8.0}
+               "shared": 16.0, "cached": 8.0, "interior": 8.0}
 # Classes in the order an injection fills them: the scarce ones first.
 FILL_ORDER = ("head", "window-head", "last", "chunk-boundary", "shared", "cached", "interior")
 # Every fault run ends with one injection of interacting pairs: this many kind pairs per
@@ -504,8 +504,8 @@ class CampaignReport:
 
 def _row_order(key):
     backend, rules, target, kind, mode, scope = key
-    return (backend, RULES.index(rules), TARGET_CLASSES.index(target), FAULT_KINDS.index(kind),
-            MODES.index(mode), scope)
+    return (backend, RULES.index(rules), (TARGET_CLASSES + PAIR_SHAPES).index(target),
+            FAULT_KINDS.index(kind), MODES.index(mode), scope)
 
 
 def resolve_backends(name: str):
