@@ -17,15 +17,15 @@ SMALL = dict(requests=24, num_slots=1024, max_running=8, prompt_len=(8, 48), out
              shared_prefix_len=(16, 40))
 
 SYNTH_PINS = [
-    (dict(seed=0), "edf19ed04df0f647e1e7f1f3fc7a667232b3c663cca2ef7ebd62801c9cab444d"),
+    (dict(seed=0), "c528542a9f81446db36d6b470e70a79a528f3f7423a1c1e5eb2e262eef34875c"),
     (dict(seed=5, page_size=4, swa_window=24, sources=3, mode="partial"),
-     "2a1f9743e70163447da8a8c6dc71dcf088e73e07e47c4d8ca015b18b6ff8697b"),
+     "129ff2c63c492fdfa08ccebba3969e9f7e68fd98ac18a4117c70131d2fbd37dc"),
     (dict(seed=1, page_size=16, num_slots=2048, sources=2, chunk_size=17),
-     "76df25110302bd9cba3c2fae4171edf3c690e446e548cfe2b2e29e5c4dd21f8f"),
+     "46b59aa71ed131786be7dc298c02f640e5faddbfbacba20680db2bb36001f440"),
     (dict(seed=2, swa_window=40, sources=4, mode="none", bytes_per_token=48),
-     "e00b5d8690d6e55d9a85e6304117f6f6ae437a11359ba307abb50d20335a468f"),
+     "e90901627d5620e9d6c3eeb05d4bf2bf0c956228873764da0d6aa75e5ec0ecf3"),
 ]
-CAMPAIGN_PIN = "d81bce76e027a3173872857a6032416dea32a40d05cd845573e48a063ab7a556"
+CAMPAIGN_PIN = "296c92ada1dcfd563b29c913f610dd9f8447e9fa49cdbe16ae3f54530dfead55"
 
 
 def digest_arrays(arrays: dict) -> str:
