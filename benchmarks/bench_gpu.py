@@ -12,13 +12,16 @@
   real-KV  verify of 1M entries in mode ALL with 2 sources x 256 B/token: source bytes
            hashed per second
 
-Prints "no GPU" and exits 0 when cupy sees no device.
+Prints "no GPU" and exits 0 when cupy sees no device. With --json, the file is rewritten as
+each figure arrives, so a failure midway still leaves the figures measured before it (and
+an "error" entry naming the step that failed).
 Usage: python benchmarks/bench_gpu.py [--quick] [--json PATH]"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,6 +32,22 @@ import kvcanary as kc
 
 TARGETS = {"verify_fraction_of_copy": 0.60, "write_decode_us": 10.0, "realkv_all_gbps": 650.0}
 LENGTH = 4096  # tokens per request in the synthetic pools
+
+
+class Figures(dict):
+    """Figures by name, written to ``path`` (when given) each time one is set."""
+
+    def __init__(self, path: str | None):
+        super().__init__()
+        self.path = path
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        if self.path:
+            partial = f"{self.path}.partial"
+            with open(partial, "w", encoding="utf-8") as fh:
+                json.dump(self, fh, indent=2)
+            os.replace(partial, self.path)
 
 
 def gpu():
@@ -189,22 +208,29 @@ def main(argv=None) -> int:
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     print(f"kvcanary {kc.__version__} on {name} ({sms} SMs), cupy {cp.__version__}")
-    results = {"device": name, "multiprocessors": sms}
-    copy_bps = copy_bandwidth(cp, (64 << 20) if args.quick else (1 << 30))
-    print(f"copy d2d                          {copy_bps / 1e9:8.1f} GB/s (read + write)")
-    results["copy_gbps"] = copy_bps / 1e9
-    for entries in ((1 << 16,) if args.quick else (1 << 20, 1 << 24)):
-        bench_verify(cp, entries, copy_bps, results)
-    bench_write_decode(cp, results, reqs=32 if args.quick else 256)
-    bench_realkv(cp, (1 << 16) if args.quick else (1 << 20), results)
+    results = Figures(args.json)
+    results["device"] = name
+    results["multiprocessors"] = sms
+    step = "copy"
+    try:
+        copy_bps = copy_bandwidth(cp, (64 << 20) if args.quick else (1 << 30))
+        print(f"copy d2d                          {copy_bps / 1e9:8.1f} GB/s (read + write)")
+        results["copy_gbps"] = copy_bps / 1e9
+        for entries in ((1 << 16,) if args.quick else (1 << 20, 1 << 24)):
+            step = f"verify {entries}"
+            bench_verify(cp, entries, copy_bps, results)
+        step = "write decode"
+        bench_write_decode(cp, results, reqs=32 if args.quick else 256)
+        step = "real-KV"
+        bench_realkv(cp, (1 << 16) if args.quick else (1 << 20), results)
+    except BaseException as exc:
+        results["error"] = f"{step}: {type(exc).__name__}: {exc}"
+        raise
     if not args.quick:
         worst = min(v["fraction_of_copy"] for k, v in results.items() if k.startswith("verify_"))
         print(f"targets: verify >= 60% of copy: {worst:.1%}; write decode < 10 us: "
               f"{results['write_decode']['device_us']:.2f} us; real-KV ALL >= 650 GB/s: "
               f"{results['realkv_all']['gbps']:.1f} GB/s")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(results, fh, indent=2)
     return 0
 
 

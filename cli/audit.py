@@ -1,4 +1,4 @@
-"""``kvcanary audit DUMP...``: verify dumped canary buffers (DESIGN.md, CLI contract)."""
+"""``kvcanary audit DUMP...``: verify dumped canary buffers and render the findings."""
 
 from __future__ import annotations
 
@@ -10,26 +10,35 @@ import sys
 
 import click
 
-from .common import EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS, Progress, error_message
+from kvcanary import MAX_REAL_KV_SOURCES, MAX_REAL_KV_SOURCES_LIMIT
+from kvcanary.audit import BACKENDS, DEFAULT_MAX_FINDINGS
+
+from .common import (
+    ERROR_PREFIX,
+    EXIT_CLEAN,
+    EXIT_ERROR,
+    EXIT_VIOLATIONS,
+    Progress,
+    error_message,
+    user_error,
+)
 from .interrupt import interrupted_record, on_interrupt
+
+# Affected requests listed by name in the text summary (JSON lists every one).
+TEXT_REQUESTS_SHOWN = 8
 
 
 def run_audit(path: str, options: dict, progress=None):
     """``("ok", AuditResult)`` or ``("error", message)``; runs in a worker process too."""
-    from kvcanary.audit import AuditError, audit
-    from kvcanary.dump import DumpError
+    from kvcanary.audit import audit
 
     try:
         return "ok", audit(path, progress=progress, **options)
-    except (DumpError, AuditError, ValueError, OSError, TypeError, MemoryError) as exc:
-        message = error_message(exc)
-        if not message.startswith(path):
-            message = f"{path}: {message}"
-        return "error", message
-    except ImportError as exc:
-        return "error", f"{path}: a needed package is missing: {error_message(exc)}"
-    except RuntimeError as exc:  # CUDA runtime or compile errors: the environment
-        return "error", f"{path}: the {options.get('backend')} backend failed: {error_message(exc)}"
+    except Exception as exc:
+        message = user_error(exc)
+        if message is None:
+            raise
+        return "error", message if message.startswith(path) else f"{path}: {message}"
 
 
 def render_text(result, echo) -> None:
@@ -41,12 +50,26 @@ def render_text(result, echo) -> None:
     echo(f"audit {r.path}: {r.live_requests} live request(s), {r.num_slots} slots, tag "
          f"{r.launch_tag}, {sources}{window}, {checks}, backend {r.backend}"
          + ("" if not r.compat else ", --compat (kvcanary extensions off)"))
-    for finding in r.findings:
-        echo(finding.violation.log_line())
-        echo(f"  at: {finding.where()}")
-        echo(f"  failed checks: {', '.join(finding.checks) or 'none'}")
-        echo(f"  likely cause: {finding.cause}")
+    if r.findings:   # one write for all findings: a flooded dump prints thousands of lines
+        echo("\n".join(line for finding in r.findings for line in (
+            finding.violation.log_line(),
+            f"  at: {finding.where()}",
+            f"  failed checks: {', '.join(finding.checks) or 'none'}",
+            f"  likely cause: {finding.cause}")))
+    if r.findings_cut:
+        echo(f"findings: the first {len(r.findings)} of {r.total_violations} are shown; "
+             f"{r.findings_omitted} more are counted below (--max-findings 0 shows all)")
+    if r.requests:
+        echo(requests_line(r))
     echo(summary_line(r))
+
+
+def requests_line(r) -> str:
+    shown = [f"row {q.request_row} (batch index {q.batch_index}) {q.violations} at positions "
+             f"{q.first_position}..{q.last_position}" for q in r.requests[:TEXT_REQUESTS_SHOWN]]
+    more = len(r.requests) - len(shown)
+    tail = f"; and {more} more (--format json lists every one)" if more > 0 else ""
+    return f"affected requests: {len(r.requests)}: " + "; ".join(shown) + tail
 
 
 def summary_line(r) -> str:
@@ -69,42 +92,81 @@ def summary_line(r) -> str:
 
 def render_json(result, echo) -> None:
     echo(json.dumps(result.config_record()))
-    for finding in result.findings:
-        echo(json.dumps({"record": "violation", "dump": result.path, **finding.to_dict()}))
+    if result.findings:
+        echo("\n".join(json.dumps({"record": "violation", "dump": result.path,
+                                   **finding.to_dict()}) for finding in result.findings))
     echo(json.dumps(result.summary_record()))
+
+
+class Totals:
+    """What several dumps add up to: one closing line (text) or record (JSON)."""
+
+    def __init__(self):
+        self.dumps = self.clean = self.with_violations = self.errors = 0
+        self.entries = self.violations = 0
+
+    def add(self, status: str, result) -> None:
+        self.dumps += 1
+        if status == "error":
+            self.errors += 1
+            return
+        self.entries += result.entries_checked
+        self.violations += result.total_violations
+        if result.clean:
+            self.clean += 1
+        else:
+            self.with_violations += 1
+
+    def record(self) -> dict:
+        return {"record": "total", "dumps": self.dumps, "clean": self.clean,
+                "with_violations": self.with_violations, "errors": self.errors,
+                "entries_checked": self.entries, "violations": self.violations}
+
+    def line(self) -> str:
+        return (f"total: {self.dumps} dumps: {self.clean} clean, {self.with_violations} with "
+                f"violations, {self.errors} not audited; {self.entries} entries checked, "
+                f"{self.violations} violation(s)")
 
 
 @click.command("audit")
 @click.argument("dumps", nargs=-1, required=True, metavar="DUMP...")
-@click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto",
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto",
               show_default=True, help="auto: the CUDA kernels when a GPU is usable, else numpy.")
-@click.option("--max-real-kv-sources", type=click.IntRange(1, 64), default=4, show_default=True,
-              help="Bound on real-KV sources per launch (kernel variant).")
+@click.option("--max-real-kv-sources", type=click.IntRange(1, MAX_REAL_KV_SOURCES_LIMIT),
+              default=MAX_REAL_KV_SOURCES, show_default=True,
+              help="Bound on real-KV sources per launch, on every backend (kernel variant).")
 @click.option("--ring-capacity", type=click.IntRange(min=1), default=None,
               help="Violation rows kept for the report (default: one per checked entry, so "
                    "nothing is dropped). Overflow is reported, never silent.")
+@click.option("--max-findings", type=click.IntRange(min=0), default=DEFAULT_MAX_FINDINGS,
+              show_default=True,
+              help="Findings printed per dump (0: all); totals and counts cover every row.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
-              show_default=True, help="text, or JSON Lines (config, violation..., summary).")
+              show_default=True,
+              help="text, or JSON Lines (config, violation..., summary; total for several).")
 @click.option("--compat", is_flag=True,
               help="Upstream's rules only: turn off kvcanary's SLOT_ZERO_IN_PREFIX extension.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
               help="Parallel processes for several dumps (default: CPU count).")
-def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, fmt, compat, jobs):
+def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findings, fmt,
+                  compat, jobs):
     """Verify the canary of each DUMP (.npz, .safetensors or a directory of .npy).
 
     Exit 0: every dump clean; 1: violations; 2: bad input, usage or environment."""
     options = dict(backend=backend, max_real_kv_sources=max_real_kv_sources,
-                   ring_capacity=ring_capacity, compat=compat)
+                   ring_capacity=ring_capacity, max_findings=max_findings, compat=compat)
     reported = 0
     if fmt == "json":
         on_interrupt(lambda exc: click.echo(json.dumps(interrupted_record(
             exc, dumps_reported=reported, dumps=len(dumps)))))
     code = EXIT_CLEAN
+    totals = Totals()
     # closing: whatever stops the loop (an interrupt) stops the workers with it
     with contextlib.closing(_audit_all(list(dumps), options, jobs)) as outcomes:
         for path, (status, value) in zip(dumps, outcomes):
+            totals.add(status, value)
             if status == "error":
-                click.echo(f"kvcanary: error: {value}", err=True)
+                click.echo(f"{ERROR_PREFIX}{value}", err=True)
                 if fmt == "json":
                     click.echo(json.dumps({"record": "error", "dump": path, "message": value}))
                 code = EXIT_ERROR
@@ -113,6 +175,8 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, fmt, compa
                 if not value.clean and code == EXIT_CLEAN:
                     code = EXIT_VIOLATIONS
             reported += 1
+    if len(dumps) > 1:
+        click.echo(json.dumps(totals.record()) if fmt == "json" else totals.line())
     sys.exit(code)
 
 

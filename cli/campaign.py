@@ -8,25 +8,31 @@ import sys
 
 import click
 
-from .common import EXIT_CLEAN, EXIT_VIOLATIONS, Progress, error_boundary, fail
+from kvcanary.audit import BACKENDS
+from kvcanary.campaign import DEFAULT_CLEAN_RUNS, DEFAULT_FAULTS_PER_KIND
+
+from .common import EXIT_CLEAN, EXIT_VIOLATIONS, SEED_RANGE, Progress, error_boundary, fail
 from .interrupt import interrupted_record, on_interrupt, unwritten
 
 
 @click.command("campaign")
-@click.option("--faults-per-kind", type=int, default=1000, show_default=True,
+@click.option("--faults-per-kind", type=click.IntRange(min=1), default=DEFAULT_FAULTS_PER_KIND,
+              show_default=True,
               help="Faults of every kind to inject in every hash mode (at least).")
-@click.option("--clean-runs", type=int, default=200, show_default=True,
+@click.option("--clean-runs", type=click.IntRange(min=0), default=DEFAULT_CLEAN_RUNS,
+              show_default=True,
               help="Randomized clean workloads audited for false positives.")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=SEED_RANGE, default=0, show_default=True,
               help="Campaign seed; every run is a function of it and the run's index.")
-@click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto",
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto",
               show_default=True,
               help="auto: numpy, plus cupy when a CUDA device is usable.")
 @click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json"]),
               default="text", show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the report to this file instead of stdout.")
-@click.option("-j", "--jobs", type=int, default=None, help="Worker processes [default: CPU count].")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
+              help="Worker processes [default: CPU count].")
 def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs):
     """Inject faults of every kind into randomized synth workloads, audit them, and report
     the detection rate per fault kind and hash mode plus false positives on clean runs.

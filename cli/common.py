@@ -1,5 +1,5 @@
-"""Shared pieces of the commands: the error boundary (exit 2, one sentence, no traceback)
-and progress on stderr when stderr is a terminal."""
+"""Shared pieces of the commands: exit codes, the one error style (``kvcanary: error: ...``,
+one line on stderr, exit 2, no traceback) and progress on stderr when it is a terminal."""
 
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ import click
 from .interrupt import progressed
 
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
+ERROR_PREFIX = "kvcanary: error: "
+# Seeds feed numpy's SeedSequence and are recorded in int64 dump keys.
+SEED_RANGE = click.IntRange(0, (1 << 63) - 1)
+# Redraw a progress line at most this often (seconds).
+PROGRESS_INTERVAL_S = 0.1
 
 
 def error_message(exc: BaseException) -> str:
@@ -23,51 +28,58 @@ def error_message(exc: BaseException) -> str:
     return first.removeprefix("kv-canary: ")
 
 
+def user_error(exc: BaseException) -> str | None:
+    """The one-line message for an error that bad input or the environment raises (a bad
+    dump or option, a missing package, a CUDA runtime or compile error); None for anything
+    else, which is a bug and keeps its traceback."""
+    if isinstance(exc, ImportError):
+        return f"a needed package is missing: {error_message(exc)}"
+    if isinstance(exc, (ValueError, OSError, TypeError, MemoryError, RuntimeError)):
+        return error_message(exc)   # DumpError, AuditError and SynthError are ValueErrors
+    return None
+
+
 def fail(message: str) -> None:
-    click.echo(f"kvcanary: error: {message}", err=True)
+    click.echo(f"{ERROR_PREFIX}{message}", err=True)
     sys.exit(EXIT_ERROR)
 
 
 @contextlib.contextmanager
 def error_boundary():
     """Turn the errors a bad input or environment raises into exit 2 with one line."""
-    from kvcanary.audit import AuditError
-    from kvcanary.dump import DumpError
-    from kvcanary.synth import SynthError
-
     try:
         yield
-    except (DumpError, AuditError, SynthError, ValueError, OSError, TypeError,
-            MemoryError) as exc:
-        fail(error_message(exc))
-    except ImportError as exc:
-        fail(f"a needed package is missing: {error_message(exc)}")
-    except RuntimeError as exc:  # CUDA runtime or compile errors: the environment
-        fail(error_message(exc))
+    except Exception as exc:
+        message = user_error(exc)
+        if message is None:
+            raise
+        fail(message)
 
 
 class Progress:
-    """``label: done/total`` redrawn on stderr; silent when stderr is not a terminal."""
+    """``label: done/total (percent)`` redrawn on stderr; silent when stderr is not a
+    terminal. The last draw is always the final count, so 100% shows exactly once, at the
+    end."""
 
     def __init__(self, label: str, *, stream=None, force: bool | None = None):
         self.stream = stream or sys.stderr
         self.enabled = self.stream.isatty() if force is None else force
         self.label = label
         self.last = 0.0
-        self.drawn = False
+        self.drawn = None
 
     def __call__(self, done: int, total: int) -> None:
         progressed(self.label, done, total)   # how far an interrupt says it got
-        if not self.enabled:
+        if not self.enabled or (done, total) == self.drawn:
             return
         now = time.monotonic()
-        if done < total and now - self.last < 0.1:
+        if done < total and now - self.last < PROGRESS_INTERVAL_S:
             return
         self.last = now
-        percent = 100.0 * done / total if total else 100.0
-        self.stream.write(f"\r{self.label}: {done}/{total} ({percent:.0f}%)")
+        percent = 100 * done // total if total else 100   # rounded down: 100 means done
+        self.drawn = (done, total)   # before the write: close() ends a line an interrupt cut
+        self.stream.write(f"\r{self.label}: {done}/{total} ({percent}%)")
         self.stream.flush()
-        self.drawn = True
 
     def close(self) -> None:
         if self.enabled and self.drawn:

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
 
-from .common import EXIT_CLEAN, EXIT_VIOLATIONS, Progress, error_boundary
+from kvcanary.audit import BACKENDS
+from kvcanary.synth import MODES
+from kvcanary.violations import reason_labels
+
+from .common import EXIT_CLEAN, EXIT_VIOLATIONS, SEED_RANGE, Progress, error_boundary
 
 
 @click.command("demo")
-@click.option("--mode", type=click.Choice(["none", "partial", "all"]), default="partial",
+@click.option("--mode", type=click.Choice(MODES), default="partial",
               show_default=True, help="Real-KV hash mode of the workload.")
-@click.option("--backend", type=click.Choice(["auto", "numpy", "cupy"]), default="auto",
-              show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
+@click.option("--seed", type=SEED_RANGE, default=0, show_default=True)
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="Keep the clean and faulty dumps in this directory.")
 @click.option("--compat", is_flag=True, help="Audit with upstream's rules only.")
@@ -30,7 +34,7 @@ def demo_command(mode, backend, seed, keep, compat):
                f"{c['sources']} real-KV sources of {c['bytes_per_token']} bytes per token in "
                f"{mode} mode, seed {seed}")
     with error_boundary():
-        progress = Progress("synth: requests admitted")
+        progress = Progress("synth: requests admitted and prefilled")
         try:
             report = run_demo(mode=mode, seed=seed, backend=backend, workdir=keep,
                               compat=compat, progress=progress)
@@ -53,6 +57,20 @@ def demo_command(mode, backend, seed, keep, compat):
         notes = "; ".join(group_notes(row.notes))
         click.echo(f"{row.kind:<14}{row.injected:>9}{row.detected:>10}  {fired:<48}{notes}")
     click.echo("")
+    example = report.example()
+    if example is not None:
+        checks = "+".join(reason_labels(example.violation.fail_reason_bits))
+        click.echo(f"what a finding looks like ({checks} at an injected fault):")
+        click.echo(example.violation.log_line())
+        click.echo(f"  at: {example.where()}")
+        click.echo(f"  likely cause: {example.cause}")
+        click.echo(f"{faulty.total_violations} violation(s) from {report.faults} fault(s): a "
+                   "changed token or position also breaks the chain link of the next token, "
+                   "whose stored prev-hash was computed from the record as it was written, so "
+                   "the next position is flagged too.")
+        click.echo("")
+    for path in report.kept:
+        click.echo(f"kept {os.path.abspath(path)}")
     invisible = sum(row.invisible for row in report.rows)
     missed = sum(row.missed for row in report.rows)
     if report.passed:

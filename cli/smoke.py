@@ -6,10 +6,15 @@ import sys
 
 import click
 
+from kvcanary import MAX_REAL_KV_SOURCES, MAX_REAL_KV_SOURCES_LIMIT
+
+from .common import EXIT_CLEAN, EXIT_VIOLATIONS, error_message, fail
+
 
 @click.command()
-@click.option("--max-real-kv-sources", "max_real_kv_sources", type=click.IntRange(1, 64),
-              default=4, show_default=True,
+@click.option("--max-real-kv-sources", "max_real_kv_sources",
+              type=click.IntRange(1, MAX_REAL_KV_SOURCES_LIMIT), default=MAX_REAL_KV_SOURCES,
+              show_default=True,
               help="Source-count bound to compile the kernels for; the synthetic batch uses "
                    "that many real-KV sources.")
 def smoke(max_real_kv_sources: int) -> None:
@@ -22,9 +27,7 @@ def smoke(max_real_kv_sources: int) -> None:
     try:
         report = run_smoke(max_real_kv_sources)
     except CudaUnavailable as exc:
-        message = str(exc).removeprefix("kv-canary: ")
-        click.echo(f"kvcanary smoke needs a CUDA GPU with cupy: {message}.", err=True)
-        sys.exit(2)
+        fail(f"smoke needs a CUDA GPU with cupy: {error_message(exc)}")
     for line in report.lines():
         click.echo(line)
-    sys.exit(0 if report.ok else 1)
+    sys.exit(EXIT_CLEAN if report.ok else EXIT_VIOLATIONS)

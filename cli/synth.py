@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
-from .common import Progress, error_boundary
+from kvcanary.api import BACKENDS as LAUNCH_BACKENDS
+from kvcanary.synth import MODES
+
+from .common import SEED_RANGE, Progress, error_boundary, fail
 from .interrupt import unwritten
 
 
@@ -41,7 +46,7 @@ def synth_options(function):
                      help="Decode tokens per request, MIN..MAX."),
         click.option("--verify-every", type=int, default=8, show_default=True,
                      help="Run verify every N steps during the simulation (0: never)."),
-        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--seed", type=SEED_RANGE, default=0, show_default=True),
     ]
     for option in reversed(options):
         function = option(function)
@@ -56,54 +61,75 @@ def make_config(mode: str, **values):
     return SynthConfig(mode=mode, **values)
 
 
+def check_out(out: str, force: bool) -> None:
+    """Refuse to overwrite an existing file or to write into a non-empty directory unless
+    ``--force`` is given."""
+    target = out.rstrip("/") or out
+    if os.path.isdir(target):
+        if os.listdir(target) and not force:
+            fail(f"OUT {out}: the directory is not empty; pass --force to replace the dump "
+                 "in it")
+    elif os.path.exists(target) and not force:
+        fail(f"OUT {out}: the file exists; pass --force to overwrite it")
+
+
 @click.command("synth")
 @click.argument("out", metavar="OUT")
 @synth_options
-@click.option("--mode", type=click.Choice(["none", "partial", "all"]), default="all",
+@click.option("--mode", type=click.Choice(MODES), default="all",
               show_default=True, help="Real-KV hash mode.")
-@click.option("--backend", type=click.Choice(["numpy", "cupy"]), default="numpy",
+@click.option("--backend", type=click.Choice(LAUNCH_BACKENDS), default="numpy",
               show_default=True,
               help="Backend of every plan/write/verify launch (cupy moves the arrays per "
                    "launch: keep such runs small).")
 @click.option("--inject", multiple=True, metavar="KIND[:COUNT][@CLASS]",
-              help="Inject a fault after the run (repeatable; KIND 'all' for every kind): "
-                   "token, position, prev-hash, real-kv-byte, alias, swap, stale-reuse, "
-                   "slot-zero, lost-write; at target CLASS (default interior): head, "
-                   "interior, last, chunk-boundary, window-head, shared, cached; or "
+              help="Inject a fault after the run (repeatable; KIND 'all' for every kind that "
+                   "applies): token, position, prev-hash, real-kv-byte, alias, swap, "
+                   "stale-reuse, slot-zero, lost-write; at target CLASS (default interior): "
+                   "head, interior, last, chunk-boundary, window-head, shared, cached; or "
                    "KIND+KIND:PAIRS@shared-block|chain-seam for interacting pairs.")
-def synth_command(out, mode, backend, inject, **values):
-    """Simulate serving and write the canary dump OUT (.npz, .safetensors or a directory)."""
+@click.option("--force", is_flag=True,
+              help="Overwrite an existing OUT file, or replace the dump in an OUT directory.")
+def synth_command(out, mode, backend, inject, force, **values):
+    """Simulate serving and write the canary dump OUT: a .npz or .safetensors file, or a
+    directory of .npy files when OUT has no suffix or ends in /."""
     from kvcanary import dump
-    from kvcanary.synth import Synthesis, parse_inject
+    from kvcanary.synth import Synthesis, inapplicable_kinds, parse_inject
 
     with error_boundary(), unwritten(out):
         config = make_config(mode, backend=backend, **values)
+        container = dump.container_for(out)   # fails before the run: bad suffix, no package
+        check_out(out, force)
         if backend == "cupy":
-            from kvcanary.audit import resolve_backend
+            from kvcanary.cuda import require_cupy
 
-            resolve_backend("cupy")  # a clear error when cupy or a device is missing
-        faults = parse_inject(inject)
-        if dump.flavour_of(out) == "safetensors":
-            dump._safetensors_numpy(out)  # fail before the run when the package is missing
+            require_cupy()   # a clear error when cupy or a device is missing
+        faults = parse_inject(inject, config)
+        skipped = inapplicable_kinds(config) if any(
+            spec.partition("@")[0].partition(":")[0].strip() == "all" for spec in inject) else {}
         synthesis = Synthesis(config)
-        progress = Progress("synth: requests admitted")
+        progress = Progress("synth: requests admitted and prefilled")
         try:
             synthesis.run(progress=progress)
         finally:
             progress.close()
         for kind, count, target in faults:
             synthesis.inject(kind, count, target)
-        dump.save(out, **synthesis.arrays())
+        written = dump.save(out, **synthesis.arrays())
     s = synthesis.stats
     rows, seq_lens = synthesis.live()
-    click.echo(f"wrote {out}: {synthesis.num_canary_slots} slots, {rows.shape[0]} live requests "
-               f"({int(seq_lens.sum())} prefix tokens), {len(synthesis.cache)} cached blocks, "
-               f"{config.sources} real-KV source(s) in {config.mode} mode"
-               + (f", SWA window {config.swa_window}" if config.swa_window else ""))
+    where = "directory" if container == "dir" else f"{container} file"
+    click.echo(f"wrote {os.path.abspath(written)} ({where}): {synthesis.num_canary_slots} slots, "
+               f"{rows.shape[0]} live requests ({int(seq_lens.sum())} prefix tokens), "
+               f"{len(synthesis.cache)} cached blocks, {config.sources} real-KV source(s) in "
+               f"{config.mode} mode" + (f", SWA window {config.swa_window}"
+                                        if config.swa_window else ""))
     click.echo(f"simulation: {s.steps} steps, {s.tokens_written} tokens written, "
                f"{s.cached_tokens_reused} reused from the prefix cache, {s.blocks_evicted} "
                f"blocks evicted, {s.slots_reused} slot reuses, {s.verify_launches} verify "
                f"launches clean, {s.elapsed_s:.2f}s")
+    for kind, reason in skipped.items():
+        click.echo(f"--inject all: skipped {kind}: {reason}")
     for fault in synthesis.faults:
         click.echo(f"injected {fault.kind} at {fault.target}: request row "
                    f"{fault.request_row}, position {fault.position}, slot {fault.slot}"

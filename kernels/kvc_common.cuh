@@ -10,7 +10,7 @@
 
 namespace kvc {
 
-// The SplitMix64 finalizer (no increment step), spec §2.3.
+// The SplitMix64 finalizer (no increment step), docs/format.md §3.
 KVC_DEVICE uint64_t splitmix64(uint64_t x) {
   x ^= x >> kSplitmix64Shift1;
   x *= kSplitmix64Mul1;
@@ -63,7 +63,7 @@ KVC_DEVICE void store_record(uint8_t* canary_buf, int64_t slot_stride_bytes, int
 }
 
 // link(record) = mix3(prev_hash, token, position): what a successor stores as prev_hash.
-// real_kv_hash is deliberately not part of the link (spec §2.5).
+// real_kv_hash is deliberately not part of the link (docs/format.md §4).
 KVC_DEVICE uint64_t link(const Record& r) {
   return mix3(static_cast<uint64_t>(r.prev_hash), static_cast<uint64_t>(r.token),
               static_cast<uint64_t>(r.position));
@@ -73,7 +73,7 @@ KVC_DEVICE bool slot_in_range(int64_t slot, int64_t num_slots) {
   return slot >= 0 && slot < num_slots;
 }
 
-// The violation ring (spec §6.2): claim a sequence number, write the row only when it
+// The violation ring (docs/format.md §10): claim a sequence number, write the row only when it
 // fits (the ring never wraps), then fence so a host that sees the index sees the row.
 struct Ring {
   int64_t* rows;

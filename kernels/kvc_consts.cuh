@@ -54,6 +54,7 @@ enum class FailReason : int64_t {
   kVerifyTokenMismatch = 1 << 5,
   kSlotOutOfRange = 1 << 6,
   kSlotZeroInPrefix = 1 << 7,
+  kWriteSlotConflict = 1 << 8,
 };
 
 enum class RealKvHashMode : int32_t {

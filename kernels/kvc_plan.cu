@@ -1,4 +1,4 @@
-// Plan (spec §5.2): turn a batch into a VerifyPlan and a WritePlan.
+// Plan (docs/format.md §7): turn a batch into a VerifyPlan and a WritePlan.
 // Three launches (rows, offsets, entries). Same rules as kvcanary/reference/plan.py,
 // per batch row r (table row rp, prefix P, extend E):
 //   active         rp != 0 (row 0 is the padding row)

@@ -1,4 +1,4 @@
-// Real-KV fingerprint (spec §2.6), the same rules as kvcanary/reference/realkv.py:
+// Real-KV fingerprint (docs/format.md §5), the same rules as kvcanary/reference/realkv.py:
 //   fold_source(src, s)  fold each 8-byte little-endian word of the slot's bytes
 //   real_kv_hash(s)      fold the per-source results in source order
 // The descriptors are a fixed array sized by the compile-time bound, passed by value.

@@ -1,4 +1,4 @@
-// Verify (spec §4): re-read each planned prefix slot and check its record.
+// Verify (docs/format.md §9): re-read each planned prefix slot and check its record.
 // Same rules as kvcanary/reference/verify.py, one entry per loop iteration:
 //   expected_chain   H0 for a chain head (prev < 0), link(prev record) for a reachable
 //                    predecessor, the stored prev_hash itself when prev == 0 (unreachable)

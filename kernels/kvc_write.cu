@@ -1,4 +1,4 @@
-// Write (spec §3): stamp each new token's record and advance its request's chain.
+// Write (docs/format.md §8): stamp each new token's record and advance its request's chain.
 // Same rules as kvcanary/reference/write.py, one thread per request (the chain is serial):
 //   seed link      H0 without a seed (seed < 0), else link(seed record)
 //   skip           out_cache_loc < 0: no store, no chain advance, not counted
@@ -8,44 +8,109 @@
 //                  advances over the actual token and position
 //   out of range   kvcanary extension: a slot or seed outside the buffer, or a request whose
 //                  range leaves the token arrays, is reported as SLOT_OUT_OF_RANGE, never touched
+//   conflict       kvcanary extension: writes of one launch sharing a slot; the last one in
+//                  (request, entry) order keeps the slot, every other reports WRITE_SLOT_CONFLICT
+//
+// Threads of a launch are not ordered, so the result must not depend on which runs first.
+// Four launches, each one complete before the next starts:
+//   kvc_write_seeds    reads every seed (link and position) into the plan's scratch and
+//                      clears the claim word of every slot the launch writes
+//   kvc_write_claims   every write claims its slot: atomicMax of its write id
+//   kvc_write          the chain and the asserts; the claim holder stores token, position
+//                      and prev_hash, every other writer of the slot reports the conflict
+//   kvc_write_real_kv  every writer stores its slot's real-KV hash (the same value), which
+//                      replaces the claim word
+// The claim word is the record's real_kv_hash field: a seed read never needs it, and the
+// last launch overwrites it.
 #include "kvc_realkv.cuh"
 
 namespace kvc {
 
-struct WriteInputs {
-  const int64_t* input_ids;
-  const int64_t* positions;
+// Where one launch's writes are: the plan and the token arrays.
+struct WriteBatch {
+  const int64_t* offsets;
+  const int32_t* num_valid_reqs;
+  int64_t capacity;
   const int64_t* out_cache_loc;
-  const int64_t* expected_input_tokens;     // null: input assert off
-  const int64_t* expected_input_positions;  // null together with the tokens
   int64_t num_tokens;
 };
 
-// Returns how many records the request stored.
-KVC_DEVICE int64_t write_request(uint8_t* canary_buf, int64_t stride, int64_t num_slots,
-                                 int64_t start, int64_t end, int64_t seed,
-                                 const WriteInputs& in, bool position_assert_flag,
-                                 int64_t kernel_kind, const Ring& ring,
-                                 const RealKvSources& sources) {
-  const int64_t oor = bit(FailReason::kSlotOutOfRange);
-  if (start < 0 || end > in.num_tokens) {  // the request's range leaves the token arrays
-    append_violation(ring, kernel_kind, -1, 0, 0, 0, 0, start < 0 ? start : end, oor);
-    return 0;
+// The requests a launch writes: none when the reference returns early (nothing active or
+// no entries in total).
+KVC_DEVICE int64_t active_requests(const WriteBatch& b) {
+  int64_t active = b.num_valid_reqs[0];
+  if (active > b.capacity) active = b.capacity;
+  if (active <= 0 || b.offsets[active] <= 0) return 0;
+  return active;
+}
+
+// Request r's token range; false when it writes nothing (past the active requests or empty).
+KVC_DEVICE bool request_span(const WriteBatch& b, int64_t r, int64_t* start, int64_t* end) {
+  if (r >= active_requests(b)) return false;
+  *start = b.offsets[r];
+  *end = b.offsets[r + 1];
+  return *end > *start;
+}
+
+KVC_DEVICE bool span_inside(const WriteBatch& b, int64_t start, int64_t end) {
+  return start >= 0 && end <= b.num_tokens;
+}
+
+// Calls write(i, slot) for each entry of request r whose slot lies inside the buffer, when
+// the request writes at all (a range leaving the token arrays writes nothing).
+template <class Write>
+KVC_DEVICE void for_each_write(const WriteBatch& b, int64_t num_slots, int64_t r, Write write) {
+  int64_t start, end;
+  if (!request_span(b, r, &start, &end) || !span_inside(b, start, end)) return;
+  for (int64_t i = start; i < end; ++i) {
+    const int64_t slot = b.out_cache_loc[i];
+    if (slot_in_range(slot, num_slots)) write(i, slot);
   }
+}
+
+// Unique per write and increasing in (request, entry) order: the largest one keeps a slot.
+KVC_DEVICE unsigned long long write_id(const WriteBatch& b, int64_t r, int64_t i) {
+  return static_cast<unsigned long long>(r) * static_cast<unsigned long long>(b.num_tokens) +
+         static_cast<unsigned long long>(i) + 1ULL;
+}
+
+KVC_DEVICE int64_t* claim_word(uint8_t* canary_buf, int64_t stride, int64_t slot) {
+  return reinterpret_cast<int64_t*>(canary_buf + slot * stride) + kCanaryFieldRealKvHash;
+}
+
+struct WriteInputs {
+  const int64_t* input_ids;
+  const int64_t* positions;
+  const int64_t* expected_input_tokens;     // null: input assert off
+  const int64_t* expected_input_positions;  // null together with the tokens
+};
+
+// The seed as read by kvc_write_seeds.
+struct Seed {
+  int64_t slot;
+  int64_t link;
+  int64_t position;
+};
+
+// Returns how many writes of the request landed inside the buffer.
+KVC_DEVICE int64_t write_request(uint8_t* canary_buf, int64_t stride, int64_t num_slots,
+                                 const WriteBatch& b, int64_t r, int64_t start, int64_t end,
+                                 const Seed& seed, const WriteInputs& in,
+                                 bool position_assert_flag, int64_t kernel_kind, const Ring& ring) {
+  const int64_t oor = bit(FailReason::kSlotOutOfRange);
   uint64_t running = chain_head();
   bool do_pos_assert = false;
   int64_t running_pos = 0;
-  if (seed >= num_slots) {
-    append_violation(ring, kernel_kind, seed, 0, 0, 0, 0, seed, oor);
-  } else if (seed >= 0) {
-    const Record s = load_record(canary_buf, stride, seed);
-    running = link(s);
+  if (seed.slot >= num_slots) {
+    append_violation(ring, kernel_kind, seed.slot, 0, 0, 0, 0, seed.slot, oor);
+  } else if (seed.slot >= 0) {
+    running = static_cast<uint64_t>(seed.link);
     do_pos_assert = position_assert_flag;
-    running_pos = s.position;
+    running_pos = seed.position;
   }
   int64_t written = 0;
   for (int64_t i = start; i < end; ++i) {
-    const int64_t slot = in.out_cache_loc[i];
+    const int64_t slot = b.out_cache_loc[i];
     if (slot < 0) continue;  // skipped entirely
     const int64_t tok = in.input_ids[i];
     const int64_t pos = in.positions[i];
@@ -69,12 +134,19 @@ KVC_DEVICE int64_t write_request(uint8_t* canary_buf, int64_t stride, int64_t nu
     if (slot >= num_slots) {
       append_violation(ring, kernel_kind, slot, pos, tok, tok, prev_hash, slot, oor);
     } else {
-      Record r;
-      r.token = tok;
-      r.position = pos;
-      r.prev_hash = prev_hash;
-      r.real_kv_hash = static_cast<int64_t>(real_kv_hash(sources, slot));
-      store_record(canary_buf, stride, slot, r);
+      const unsigned long long claim =
+          static_cast<unsigned long long>(*claim_word(canary_buf, stride, slot));
+      if (claim == write_id(b, r, i)) {
+        int64_t* f = reinterpret_cast<int64_t*>(canary_buf + slot * stride);
+        f[kCanaryFieldToken] = tok;
+        f[kCanaryFieldPosition] = pos;
+        f[kCanaryFieldPrevHash] = prev_hash;
+      } else {  // a later write of this launch keeps the slot
+        const int64_t keeper = static_cast<int64_t>((claim - 1ULL) %
+                                                    static_cast<unsigned long long>(b.num_tokens));
+        append_violation(ring, kernel_kind, slot, pos, tok, in.input_ids[keeper], prev_hash,
+                         in.positions[keeper], bit(FailReason::kWriteSlotConflict));
+      }
       ++written;
     }
     // Always over the actual token and position, so a downstream verify does not cascade.
@@ -84,6 +156,46 @@ KVC_DEVICE int64_t write_request(uint8_t* canary_buf, int64_t stride, int64_t nu
 }
 
 }  // namespace kvc
+
+extern "C" __global__ void kvc_write_seeds(
+    uint8_t* __restrict__ canary_buf, int64_t num_slots, int64_t slot_stride_bytes,
+    const int64_t* __restrict__ write_offsets, const int64_t* __restrict__ write_seed_slot_indices,
+    const int32_t* __restrict__ write_num_valid_reqs, int64_t write_req_capacity,
+    const int64_t* __restrict__ out_cache_loc, int64_t num_tokens,
+    int64_t* __restrict__ seed_links, int64_t* __restrict__ seed_positions) {
+  using namespace kvc;
+  const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
+                     num_tokens};
+  const int64_t r = global_thread();
+  int64_t start, end;
+  if (!request_span(b, r, &start, &end) || !span_inside(b, start, end)) return;
+  const int64_t seed = write_seed_slot_indices[r];
+  if (slot_in_range(seed, num_slots)) {
+    // The link needs token, position and prev_hash; the real_kv_hash field may be another
+    // request's claim word by now and is not read.
+    const int64_t* f = record_fields(canary_buf, slot_stride_bytes, seed);
+    Record s{f[kCanaryFieldToken], f[kCanaryFieldPosition], f[kCanaryFieldPrevHash], 0};
+    seed_links[r] = static_cast<int64_t>(link(s));
+    seed_positions[r] = s.position;
+  }
+  for_each_write(b, num_slots, r, [&](int64_t, int64_t slot) {
+    *claim_word(canary_buf, slot_stride_bytes, slot) = 0;
+  });
+}
+
+extern "C" __global__ void kvc_write_claims(
+    uint8_t* __restrict__ canary_buf, int64_t num_slots, int64_t slot_stride_bytes,
+    const int64_t* __restrict__ write_offsets, const int32_t* __restrict__ write_num_valid_reqs,
+    int64_t write_req_capacity, const int64_t* __restrict__ out_cache_loc, int64_t num_tokens) {
+  using namespace kvc;
+  const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
+                     num_tokens};
+  const int64_t r = global_thread();
+  for_each_write(b, num_slots, r, [&](int64_t i, int64_t slot) {
+    int64_t* claim = claim_word(canary_buf, slot_stride_bytes, slot);
+    atomicMax(reinterpret_cast<unsigned long long*>(claim), write_id(b, r, i));
+  });
+}
 
 extern "C" __global__ void kvc_write(
     uint8_t* __restrict__ canary_buf, int64_t num_slots, int64_t slot_stride_bytes,
@@ -95,23 +207,41 @@ extern "C" __global__ void kvc_write(
     const int64_t* __restrict__ expected_input_positions, int64_t kernel_kind,
     int64_t* __restrict__ violation_ring, int64_t ring_capacity, int32_t* violation_write_index,
     int64_t* __restrict__ slot_run_counter, int64_t* __restrict__ kernel_run_counter,
-    const int32_t* __restrict__ enable_chain_position_assert, kvc::RealKvSources sources) {
+    const int32_t* __restrict__ enable_chain_position_assert,
+    const int64_t* __restrict__ seed_links, const int64_t* __restrict__ seed_positions) {
   using namespace kvc;
+  const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
+                     num_tokens};
   const int64_t r = global_thread();
   if (r == 0) add_counter(kernel_run_counter, 1);  // every launch, even an empty one
-  int64_t active = write_num_valid_reqs[0];
-  if (active > write_req_capacity) active = write_req_capacity;
-  // The reference's early return: nothing active, or no entries in total.
-  if (active <= 0 || write_offsets[active] <= 0) return;
-  if (r >= active) return;
-  const int64_t start = write_offsets[r];
-  const int64_t end = write_offsets[r + 1];
-  if (end <= start) return;  // no entries: no counter contribution
-  const WriteInputs in{input_ids, positions, out_cache_loc, expected_input_tokens,
-                       expected_input_positions, num_tokens};
+  int64_t start, end;
+  if (!request_span(b, r, &start, &end)) return;  // no entries: no counter contribution
   const Ring ring{violation_ring, ring_capacity, violation_write_index};
-  const int64_t written = write_request(
-      canary_buf, slot_stride_bytes, num_slots, start, end, write_seed_slot_indices[r], in,
-      enable_chain_position_assert[0] != 0, kernel_kind, ring, sources);
+  if (!span_inside(b, start, end)) {  // the request's range leaves the token arrays
+    append_violation(ring, kernel_kind, -1, 0, 0, 0, 0, start < 0 ? start : end,
+                     bit(FailReason::kSlotOutOfRange));
+    return;
+  }
+  const int64_t seed_slot = write_seed_slot_indices[r];
+  const bool seeded = slot_in_range(seed_slot, num_slots);
+  const Seed seed{seed_slot, seeded ? seed_links[r] : 0, seeded ? seed_positions[r] : 0};
+  const WriteInputs in{input_ids, positions, expected_input_tokens, expected_input_positions};
+  const int64_t written =
+      write_request(canary_buf, slot_stride_bytes, num_slots, b, r, start, end, seed, in,
+                    enable_chain_position_assert[0] != 0, kernel_kind, ring);
   if (written != 0) add_counter(slot_run_counter, written);
+}
+
+extern "C" __global__ void kvc_write_real_kv(
+    uint8_t* __restrict__ canary_buf, int64_t num_slots, int64_t slot_stride_bytes,
+    const int64_t* __restrict__ write_offsets, const int32_t* __restrict__ write_num_valid_reqs,
+    int64_t write_req_capacity, const int64_t* __restrict__ out_cache_loc, int64_t num_tokens,
+    kvc::RealKvSources sources) {
+  using namespace kvc;
+  const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
+                     num_tokens};
+  for_each_write(b, num_slots, global_thread(), [&](int64_t, int64_t slot) {
+    *claim_word(canary_buf, slot_stride_bytes, slot) =
+        static_cast<int64_t>(real_kv_hash(sources, slot));
+  });
 }

@@ -38,7 +38,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify
          write_plan: WritePlan, swa_window_size: int = 0, full_to_swa_index_mapping=None,
          req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
          kv_token_id_vs_position_offset: int = 0, backend: str | None = None) -> None:
-    """Fill ``verify_plan`` and ``write_plan`` in place for one forward step (spec §5)."""
+    """Fill ``verify_plan`` and ``write_plan`` in place for one forward step (docs/format.md §7)."""
     swa_window_size = A.check_int64(swa_window_size, "swa_window_size")
     kv_token_id_vs_position_offset = A.check_int64(kv_token_id_vs_position_offset,
                                                    "kv_token_id_vs_position_offset")
@@ -98,7 +98,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify
 def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_cache_loc,
           expected_input_tokens=None, expected_input_positions=None,
           backend: str | None = None) -> None:
-    """Stamp the canary records of this step's new tokens (spec §3)."""
+    """Stamp the canary records of this step's new tokens (docs/format.md §8)."""
     context.validate_sources()
     tokens = {
         "input_ids": A.as_array(input_ids, "input_ids"),
@@ -133,7 +133,7 @@ def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_
 
 def verify(context: CanaryContext, plan: VerifyPlan, *, check_expected_token: bool = False,
            backend: str | None = None) -> None:
-    """Check every planned prefix slot; violations go to the context's ring (spec §4)."""
+    """Check every planned prefix slot; violations go to the context's ring (docs/format.md §9)."""
     context.validate_sources()
     A.check_contiguous(context.canary_buf, "canary_buf")
     plan.validate()

@@ -34,11 +34,13 @@ def as_array(x, name: str, *, untyped_as_bytes: bool = False):
     if isinstance(x, np.ndarray) or is_cupy_array(x):
         return x
     if dlpack.is_dlpack(x):
-        tensor = dlpack.export(x, name)
-        dtype = tensor.numpy_dtype
-        if dtype is not None:
-            strides = tuple(s * dtype.itemsize for s in tensor.element_strides())
-            return dlpack.wrap(tensor, dtype, tensor.shape, strides)
+        try:
+            return _library_from_dlpack(x, name)
+        except (BufferError, RuntimeError, TypeError) as exc:
+            tensor = dlpack.export(x, name)
+            if tensor.numpy_dtype is not None:
+                raise ValueError(f"kv-canary: {name} cannot be imported through DLPack "
+                                 f"({exc})") from exc
         if not untyped_as_bytes:
             raise ValueError(
                 f"kv-canary: {name} has element type {tensor.type_name}, which kvcanary cannot "
@@ -53,6 +55,18 @@ def as_array(x, name: str, *, untyped_as_bytes: bool = False):
         return np.asarray(x)
     except Exception as exc:
         raise TypeError(f"kv-canary: {name} is not an array: {type(x).__name__}") from exc
+
+
+def _library_from_dlpack(x, name: str):
+    """numpy's or cupy's own DLPack import (the per-launch path: far cheaper than reading
+    the capsule here); they refuse the element types they lack."""
+    device_type = int(x.__dlpack_device__()[0])
+    if device_type in dlpack.HOST_DEVICES:
+        return np.from_dlpack(x)
+    if device_type in dlpack.CUDA_DEVICES:
+        return dlpack.import_cupy(name).from_dlpack(x)
+    raise ValueError(f"kv-canary: {name} lives on DLPack device type {device_type}, "
+                     "which kvcanary does not support")
 
 
 @dataclass(frozen=True)
@@ -90,9 +104,9 @@ def _dlpack_bytes(tensor: dlpack.Tensor) -> ByteView:
     if not _unit_last_stride(tensor.shape, elements, 1):
         return ByteView(None, **given)
     if not tensor.shape:
-        return ByteView(dlpack.wrap(tensor, np.uint8, (bits // 8,), (1,)), **given)
+        return ByteView(dlpack.byte_array(tensor, (bits // 8,), (1,)), **given)
     shape = tensor.shape[:-1] + (tensor.shape[-1] * bits // 8,)
-    return ByteView(dlpack.wrap(tensor, np.uint8, shape, strides[:-1] + (1,)), **given)
+    return ByteView(dlpack.byte_array(tensor, shape, strides[:-1] + (1,)), **given)
 
 
 def _unit_last_stride(shape, strides, unit) -> bool:

@@ -20,8 +20,13 @@ def replacing(path: str, *, directory: bool = False):
     """Yield a temporary path beside ``path`` (an empty file, or an empty directory when
     ``directory``) to write; when the block ends normally it replaces ``path``, a directory
     as a whole. On an exception, an interrupt included, the temporary is removed and
-    ``path`` is left as it was. The result gets the mode ``path`` had, else the umask's."""
-    path = os.path.abspath(path)
+    ``path`` is left as it was. The result gets the mode ``path`` had, else the umask's.
+    A symbolic link is followed (the file it names is replaced); a device or a pipe
+    (``/dev/stdout``) cannot be replaced and is written in place."""
+    path = os.path.realpath(path)
+    if not directory and _special(path):
+        yield path
+        return
     folder, name = os.path.split(path)
     if directory:
         os.makedirs(folder, exist_ok=True)
@@ -40,6 +45,11 @@ def replacing(path: str, *, directory: bool = False):
     except BaseException:
         _remove(temporary)
         raise
+
+
+def _special(path: str) -> bool:
+    """A device, a pipe or a socket: something that exists and is no file or directory."""
+    return os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path))
 
 
 def _mode_for(path: str, directory: bool) -> int:

@@ -13,12 +13,21 @@ Data flows plan -> verify -> violations -> findings:
 4. Each row is attributed to the plan entry that produced it (request row and position, or
    sweep entry) and gets the failed checks in words and a likely cause.
 
-Every row counts; rows beyond ``ring_capacity`` are dropped from the report only, and the
-result says how many (upstream's fill-once ring). Checking zero entries is an error.
+Every row counts: totals, counts by reason, by tag and by request, and the first and last
+affected positions of each request cover every row and are computed over whole arrays. Only
+the first ``max_findings`` rows (default 1024, 0 for all) become :class:`Finding` objects, so a
+dump whose every record is corrupt audits about as fast as a clean one; rows beyond
+``ring_capacity`` count as dropped by upstream's fill-once ring. Checking zero entries is an
+error.
+
+The steps, one function each: :func:`_live_launches` and :func:`_sweep_launches` build the
+entries, :func:`_verify` runs one launch, :func:`_attribute` names the entry of each row and
+:class:`_Tally` summarises; :func:`audit` runs the one loop over both kinds of launches.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections import Counter
@@ -38,12 +47,14 @@ from .dump import Dump, load
 from .reference.plan import window_start
 from .reference.ring import violation_rows
 from .types import (CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan,
-                    check_source_bound, check_source_count)
+                    check_source_bound, check_source_count, to_host)
 from .violations import Violation, reason_labels, tag_name
 
 BACKENDS = ("auto", "numpy", "cupy")
 # Plan entries per verify launch: bounds the plan and ring memory of one chunk.
-CHUNK_ENTRIES = 1 << 20
+CHUNK_ENTRIES = 1 << 16
+# Findings kept per audit by default: upstream's default violation-ring capacity.
+DEFAULT_MAX_FINDINGS = 1024
 
 CHECK_WORDS = {
     FailReason.VERIFY_CHAIN_HASH_MISMATCH: "chain link to the predecessor",
@@ -54,6 +65,7 @@ CHECK_WORDS = {
     FailReason.VERIFY_TOKEN_MISMATCH: "expected token",
     FailReason.SLOT_OUT_OF_RANGE: "slot inside the canary buffer",
     FailReason.SLOT_ZERO_IN_PREFIX: "live entry not on padding slot 0",
+    FailReason.WRITE_SLOT_CONFLICT: "one write per slot per launch",
 }
 
 
@@ -116,6 +128,23 @@ class Finding:
         return record
 
 
+@dataclass(frozen=True)
+class RequestSummary:
+    """The rows attributed to one live request: how many, and the first and last expected
+    positions among them."""
+
+    batch_index: int
+    request_row: int
+    violations: int
+    first_position: int
+    last_position: int
+
+    def to_dict(self) -> dict:
+        return {"batch_index": self.batch_index, "request_row": self.request_row,
+                "violations": self.violations, "first_position": self.first_position,
+                "last_position": self.last_position}
+
+
 @dataclass
 class AuditResult:
     path: str
@@ -131,10 +160,13 @@ class AuditResult:
     check_expected_token: bool
     compat: bool
     ring_capacity: int
+    max_findings: int = DEFAULT_MAX_FINDINGS
     total_violations: int = 0
     findings: list = field(default_factory=list)
     counts_by_reason: dict = field(default_factory=dict)
     counts_by_tag: dict = field(default_factory=dict)
+    counts_by_entry: dict = field(default_factory=dict)
+    requests: list = field(default_factory=list)   # RequestSummary of every affected request
     unattributed: int = 0
     elapsed_s: float = 0.0
 
@@ -154,6 +186,15 @@ class AuditResult:
     def clean(self) -> bool:
         return self.total_violations == 0
 
+    @property
+    def findings_omitted(self) -> int:
+        """Rows counted but not kept as findings (ring overflow or ``max_findings``)."""
+        return self.total_violations - len(self.findings)
+
+    @property
+    def findings_cut(self) -> bool:
+        return self.findings_omitted > 0
+
     def config_record(self) -> dict:
         return {"record": "config", "dump": self.path, "backend": self.backend,
                 "launch_tag": self.launch_tag, "num_slots": self.num_slots,
@@ -161,16 +202,21 @@ class AuditResult:
                 "real_kv_hash_mode": self.real_kv_hash_mode,
                 "swa_window_size": self.swa_window_size,
                 "check_expected_token": self.check_expected_token,
-                "extensions": not self.compat, "ring_capacity": self.ring_capacity}
+                "extensions": not self.compat, "ring_capacity": self.ring_capacity,
+                "max_findings": self.max_findings}
 
     def summary_record(self) -> dict:
         return {"record": "summary", "dump": self.path, "entries_checked": self.entries_checked,
                 "live_entries": self.live_entries, "sweep_entries": self.sweep_entries,
                 "violations": self.total_violations, "reported": len(self.findings),
                 "ring_overflow": self.ring_overflow, "dropped": self.dropped,
+                "findings_cut": self.findings_cut, "findings_omitted": self.findings_omitted,
                 "unattributed": self.unattributed,
                 "counts_by_reason": dict(self.counts_by_reason),
-                "counts_by_tag": dict(self.counts_by_tag), "elapsed_s": round(self.elapsed_s, 3)}
+                "counts_by_tag": dict(self.counts_by_tag),
+                "counts_by_entry": dict(self.counts_by_entry),
+                "requests": [r.to_dict() for r in self.requests],
+                "elapsed_s": round(self.elapsed_s, 3)}
 
     def findings_at(self, request_row: int, position: int) -> list:
         return [f for f in self.findings
@@ -180,12 +226,18 @@ class AuditResult:
 # --------------------------------------------------------------------------- explanation
 
 
+# Plain ints: enum member access is slow enough to show in a flooded audit.
+_CHECK_BITS = tuple((int(bit), text) for bit, text in CHECK_WORDS.items())
+_KNOWN_BITS = sum(bit for bit, _ in _CHECK_BITS)
+_BIT = {member.name: int(member) for member in FailReason}
+
+
 def failed_checks(bits: int) -> tuple:
     words = []
-    for bit, text in CHECK_WORDS.items():
-        if bits & int(bit):
+    for bit, text in _CHECK_BITS:
+        if bits & bit:
             words.append(text)
-    unknown = bits & ~sum(int(b) for b in CHECK_WORDS)
+    unknown = bits & ~_KNOWN_BITS
     if unknown:
         words.append(f"unknown bits {unknown:#x}")
     return tuple(words)
@@ -193,9 +245,9 @@ def failed_checks(bits: int) -> tuple:
 
 def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
                  swa: bool = False) -> str:
-    bits, s = v.fail_reason_bits, v.slot_idx
+    bits, s = int(v.fail_reason_bits), v.slot_idx
     causes = []
-    if bits & FailReason.SLOT_OUT_OF_RANGE:
+    if bits & _BIT["SLOT_OUT_OF_RANGE"]:
         if s == PLAN_SLOT_OUT_OF_TABLE:
             causes.append(f"position {position} lies outside req_to_token: seq_len is larger "
                           "than the table, or the request row is not in the table")
@@ -205,23 +257,23 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
         else:
             causes.append(f"the predecessor entry (position {position - 1}) points outside the "
                           f"canary buffer (slot {v.expected_aux})")
-    if bits & FailReason.SLOT_ZERO_IN_PREFIX and swa:
+    if bits & _BIT["SLOT_ZERO_IN_PREFIX"] and swa:
         causes.append("a live entry inside the sliding window maps to SWA slot 0: its SWA slot "
                       "was freed (full_to_swa_index_mapping holds 0) or never assigned, or the "
                       "table entry itself is 0")
-    elif bits & FailReason.SLOT_ZERO_IN_PREFIX:
+    elif bits & _BIT["SLOT_ZERO_IN_PREFIX"]:
         causes.append("a live prefix entry is mapped to padding slot 0: the slot was never "
                       "assigned, or its mapping was cleared while the request still uses it "
                       "(lost write or premature free)")
-    if bits & FailReason.VERIFY_POSITION_MISMATCH:
+    if bits & _BIT["VERIFY_POSITION_MISMATCH"]:
         causes.append(f"slot {s} holds the record of position {v.position}, not {position}: "
                       "the slot was reused by another sequence while this request still maps "
                       "it, or the mapping is shifted or swapped")
-    if bits & FailReason.VERIFY_TOKEN_MISMATCH:
+    if bits & _BIT["VERIFY_TOKEN_MISMATCH"]:
         causes.append(f"slot {s} holds token {v.stored_token} where the request's history has "
                       f"{v.expected_token}: another token's KV was written here, or the slot "
                       "was reused by a sequence with different content")
-    if bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH and not causes:
+    if bits & _BIT["VERIFY_CHAIN_HASH_MISMATCH"] and not causes:
         if prev_slot < 0:
             causes.append(f"chain head at position {position} does not start from the anchor: "
                           "the slot holds a record written as the continuation of another "
@@ -231,16 +283,16 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
                           f"predecessor slot {prev_slot} (position {position - 1}) was "
                           "overwritten or remapped after this token was written, or this "
                           "record's own prev-hash was altered")
-    elif bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH:
+    elif bits & _BIT["VERIFY_CHAIN_HASH_MISMATCH"]:
         causes.append("the chain link to the predecessor fails too")
-    if bits & FailReason.VERIFY_REAL_KV_HASH_MISMATCH:
+    if bits & _BIT["VERIFY_REAL_KV_HASH_MISMATCH"]:
         if causes:
             causes.append("and the slot's real KV bytes no longer match its record")
         else:
             causes.append(f"the real KV bytes of slot {s} changed after its canary record was "
                           "written (the record itself is intact): an in-place overwrite, a "
                           "stray write into this slot, or transfer/offload corruption")
-    if bits & (FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH):
+    if bits & (_BIT["WRITE_TOKEN_MISMATCH"] | _BIT["WRITE_POSITION_MISMATCH"]):
         causes.append("the forward consumed different input tokens or positions than expected")
     return "; ".join(causes) or "unknown"
 
@@ -263,6 +315,7 @@ class _Launcher:
         self.sources = self.host_sources if self.xp is np else self._sources(self.xp)
         self.canary = dump.canary if self.xp is np else self.xp.asarray(dump.canary)
         self.max_sources = max_real_kv_sources
+        self._first = self._last = None
 
     def _sources(self, xp):
         d = self.dump
@@ -287,6 +340,20 @@ class _Launcher:
     def device(self, array):
         return None if array is None else (array if self.xp is np else self.xp.asarray(array))
 
+    def slot_users(self, slots: np.ndarray) -> tuple:
+        """``(first, last)``: per canary slot, the first and last index of ``slots`` holding
+        it. Slots outside the buffer are left out; the tables are reused from launch to
+        launch, so a slot this launch does not use holds a stale index."""
+        # int32 halves the tables' cache footprint; launches past 2**31 entries get int64.
+        dtype = np.int32 if slots.size <= np.iinfo(np.int32).max else np.int64
+        if self._first is None or self._first.dtype != dtype:
+            self._first = np.full(self.dump.num_slots, -1, dtype=dtype)
+            self._last = np.full(self.dump.num_slots, -1, dtype=dtype)
+        index = np.flatnonzero((slots >= 0) & (slots < self.dump.num_slots)).astype(dtype)
+        self._last[slots[index]] = index
+        self._first[slots[index[::-1]]] = index[::-1]
+        return self._first, self._last
+
 
 @dataclass
 class _Entries:
@@ -297,9 +364,38 @@ class _Entries:
     positions: np.ndarray
     tokens: np.ndarray
 
+    def plan(self, device) -> VerifyPlan:
+        return VerifyPlan(verify_slot_indices=device(self.slots),
+                          verify_expected_tokens=device(self.tokens),
+                          verify_expected_positions=device(self.positions),
+                          verify_prev_slot_indices=device(self.prevs),
+                          verify_num_valid=device(np.array([self.slots.size], dtype=np.int32)),
+                          enable=device(np.ones(1, dtype=np.int32)))
 
-def _host(array) -> np.ndarray:
-    return array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
+
+@dataclass
+class _Launch:
+    """One verify launch: its plan on the backend and a host copy of its entries, plus what
+    names an entry: the batch index of every entry (live requests) or the sweep index of the
+    first one."""
+
+    tag: int
+    plan: VerifyPlan
+    entries: _Entries
+    check_token: bool
+    batch_index: np.ndarray | None = None
+    sweep_begin: int = 0
+
+    @property
+    def size(self) -> int:
+        return int(self.entries.slots.shape[0])
+
+    @property
+    def live(self) -> bool:
+        return self.batch_index is not None
+
+
+# ------------------------------------------------------------ step 1: build the entries
 
 
 def _plan_chunks(lengths: np.ndarray, limit: int):
@@ -315,41 +411,142 @@ def _plan_chunks(lengths: np.ndarray, limit: int):
         yield begin, lengths.shape[0], total
 
 
-def _attribute(rows: np.ndarray, entries: _Entries, launcher: _Launcher, tag: int,
-               check_token: bool) -> np.ndarray:
+def _live_lengths(d: Dump) -> np.ndarray:
+    """Entries each batch index verifies: ``[window_start, seq_len)`` of a live request."""
+    seq_lens = np.asarray(d.seq_lens)
+    starts = window_start(seq_lens, d.swa_window_size)
+    active = np.asarray(d.req_pool_indices) != 0
+    return np.where(active, np.maximum(0, seq_lens - starts), 0).astype(np.int64)
+
+
+def _live_launches(d: Dump, launcher: _Launcher, lengths: np.ndarray, chunk: int):
+    """The live requests' prefixes, planned by ``kvcanary.plan`` in chunks of requests."""
+    device, xp = launcher.device, launcher.xp
+    table = device(d.req_to_token)
+    lut = device(d.full_to_swa_index_mapping)
+    pool = device(d.expected_tokens)
+    check_token = pool is not None
+    for begin, end, total in _plan_chunks(lengths, chunk):
+        if total == 0:
+            continue
+        bs = end - begin
+        verify_plan = VerifyPlan.allocate(total, xp=xp)
+        write_plan = WritePlan.allocate(bs, xp=xp)
+        valid_lens = None if pool is None else device(
+            np.ascontiguousarray(d.expected_tokens_valid_lens[begin:end]))
+        try:
+            api.plan(req_pool_indices=device(np.ascontiguousarray(d.req_pool_indices[begin:end])),
+                     prefix_lens=device(np.ascontiguousarray(d.seq_lens[begin:end])),
+                     extend_seq_lens=xp.zeros(bs, dtype=xp.int64), req_to_token=table,
+                     verify_plan=verify_plan, write_plan=write_plan,
+                     swa_window_size=d.swa_window_size, full_to_swa_index_mapping=lut,
+                     req_to_verify_expected_tokens=pool,
+                     req_to_verify_expected_tokens_valid_lens=valid_lens)
+        except ValueError as exc:
+            text = str(exc).removeprefix("kv-canary: ")
+            where = "key full_to_swa_index_mapping: " if "full_to_swa" in text else ""
+            raise AuditError(f"{d.path}: {where}{text}") from None
+        entries = _Entries(*(to_host(a)[:total].copy() for a in (
+            verify_plan.verify_slot_indices, verify_plan.verify_prev_slot_indices,
+            verify_plan.verify_expected_positions, verify_plan.verify_expected_tokens)))
+        batch_index = np.repeat(np.arange(begin, end, dtype=np.int64), lengths[begin:end])
+        yield _Launch(int(d.launch_tag), verify_plan, entries, check_token, batch_index)
+
+
+def _sweep_launches(d: Dump, launcher: _Launcher, chunk: int):
+    """The dump's sweep entries as they are, with the SWEEP tag and no token check."""
+    tag = int(sweep_tag(d.launch_tag)) if d.num_sweep_entries else 0
+    for begin in range(0, d.num_sweep_entries, chunk):
+        end = min(d.num_sweep_entries, begin + chunk)
+        entries = _Entries(*(np.ascontiguousarray(a[begin:end], dtype=np.int64) for a in (
+            d.sweep_slot_indices, d.sweep_prev_slot_indices, d.sweep_positions)),
+            np.full(end - begin, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64))
+        yield _Launch(tag, entries.plan(launcher.device), entries, False, sweep_begin=begin)
+
+
+# ------------------------------------------------------------ step 2: verify
+
+
+def _verify(launcher: _Launcher, launch: _Launch) -> np.ndarray:
+    """The launch's ring rows on the chosen backend (a ring with room for every entry)."""
+    context = launcher.context(launch.tag, launch.size)
+    api.verify(context, launch.plan, check_expected_token=launch.check_token)
+    return context.violation_log.rows()
+
+
+def _slot_zero_rows(entries: _Entries, tag: int, check_token: bool):
+    """kvcanary's extension: a row for every live prefix entry mapped to padding slot 0."""
+    zero = np.flatnonzero(entries.slots == 0)
+    tokens = entries.tokens[zero] if check_token else EXPECTED_TOKEN_UNKNOWN
+    rows = violation_rows(tag, 0, entries.positions[zero], 0, tokens, 0, 0,
+                          int(FailReason.SLOT_ZERO_IN_PREFIX))
+    return rows, zero
+
+
+# ------------------------------------------------------------ step 3: attribute
+
+
+def _attribute(rows: np.ndarray, launch: _Launch, launcher: _Launcher) -> np.ndarray:
     """Entry index of each ring row (-1 where no entry reproduces it).
 
-    Candidates are the entries whose slot appears in a row. They are re-verified on the host
-    reference in batches where every slot occurs once, so each predicted row names its entry
-    without ambiguity; rows are then matched by their full contents, in entry order."""
+    A row on a slot that exactly one entry of the launch uses belongs to that entry (its
+    expected-token field must agree). Rows on a slot outside the buffer are matched by
+    content against the rows their entries must produce; rows on a slot several entries
+    share are matched by content against a re-check of those entries on the host reference."""
     result = np.full(rows.shape[0], -1, dtype=np.int64)
     if rows.shape[0] == 0:
         return result
-    candidates = np.flatnonzero(np.isin(entries.slots, np.unique(rows[:, 1])))
-    if candidates.size == 0:
-        return result
-    cand_slots = entries.slots[candidates]
-    order = np.argsort(cand_slots, kind="stable")
-    sorted_slots = cand_slots[order]
-    rank_sorted = np.arange(order.size) - np.searchsorted(sorted_slots, sorted_slots, "left")
-    rank = np.empty_like(rank_sorted)
-    rank[order] = rank_sorted
+    entries, num_slots = launch.entries, launcher.dump.num_slots
+    row_slots = np.ascontiguousarray(rows[:, 1])
+    in_range = (row_slots >= 0) & (row_slots < num_slots)
+    first, last = launcher.slot_users(entries.slots)
+    slot = np.where(in_range, row_slots, 0)
+    candidate, earliest = np.take(last, slot), np.take(first, slot)
+    # The tables outlive the launch: an entry of this launch must hold the row's slot.
+    candidate = np.where(in_range & (candidate >= 0) & (candidate < launch.size), candidate,
+                         0).astype(np.int64)
+    used = in_range & (np.take(entries.slots, candidate) == row_slots)
+    single = used & (earliest == candidate)
+    expected = np.take(entries.tokens, candidate) if launch.check_token else EXPECTED_TOKEN_UNKNOWN
+    single &= rows[:, 4] == expected
+    result[single] = candidate[single]
+
+    outside = np.flatnonzero(~in_range)
+    if outside.size:
+        result[outside] = _match_outside(rows[outside], launch)
+    shared = np.flatnonzero(used & (earliest != candidate))
+    if shared.size:
+        result[shared] = _match_shared(rows[shared], launch, launcher)
+    return result
+
+
+def _match_outside(rows: np.ndarray, launch: _Launch) -> np.ndarray:
+    """Rows on slots outside the buffer: such an entry's row is fixed by the entry alone."""
+    e = launch.entries
+    candidates = np.flatnonzero(np.isin(e.slots, np.unique(rows[:, 1])))
+    tokens = e.tokens[candidates] if launch.check_token else EXPECTED_TOKEN_UNKNOWN
+    predicted = violation_rows(launch.tag, e.slots[candidates], e.positions[candidates], 0,
+                               tokens, 0, e.slots[candidates], int(FailReason.SLOT_OUT_OF_RANGE))
+    return _match_rows(rows, predicted, candidates)
+
+
+def _match_shared(rows: np.ndarray, launch: _Launch, launcher: _Launcher) -> np.ndarray:
+    """Rows on slots several entries use: the candidates are re-checked on the host reference
+    in batches where every slot occurs once, so each predicted row names its entry."""
+    e = launch.entries
+    candidates = np.flatnonzero(np.isin(e.slots, np.unique(rows[:, 1])))
+    rank = _occurrence(e.slots[candidates], candidates)
     predicted_rows, predicted_entries = [], []
     for k in range(int(rank.max()) + 1):
         batch = candidates[rank == k]
-        plan = VerifyPlan(verify_slot_indices=entries.slots[batch].copy(),
-                          verify_expected_tokens=entries.tokens[batch].copy(),
-                          verify_expected_positions=entries.positions[batch].copy(),
-                          verify_prev_slot_indices=entries.prevs[batch].copy(),
-                          verify_num_valid=np.array([batch.size], dtype=np.int32),
-                          enable=np.ones(1, dtype=np.int32))
-        context = launcher.context(tag, batch.size, host=True)
-        api.verify(context, plan, check_expected_token=check_token, backend="numpy")
+        subset = _Entries(*(a[batch].copy() for a in (e.slots, e.prevs, e.positions, e.tokens)))
+        context = launcher.context(launch.tag, batch.size, host=True)
+        api.verify(context, subset.plan(np.asarray), check_expected_token=launch.check_token,
+                   backend="numpy")
         got = context.violation_log.rows()
-        by_slot = np.argsort(entries.slots[batch], kind="stable")
+        by_slot = np.argsort(subset.slots, kind="stable")
         predicted_rows.append(got)
-        predicted_entries.append(
-            batch[by_slot][np.searchsorted(entries.slots[batch][by_slot], got[:, 1])])
+        predicted_entries.append(batch[by_slot][np.searchsorted(subset.slots[by_slot], got[:, 1])])
     return _match_rows(rows, np.concatenate(predicted_rows), np.concatenate(predicted_entries))
 
 
@@ -383,173 +580,99 @@ def _match_rows(rows: np.ndarray, predicted: np.ndarray, entries: np.ndarray) ->
     return result
 
 
-def _slot_zero_rows(entries: _Entries, tag: int, check_token: bool):
-    zero = np.flatnonzero(entries.slots == 0)
-    tokens = entries.tokens[zero] if check_token else EXPECTED_TOKEN_UNKNOWN
-    rows = violation_rows(tag, 0, entries.positions[zero], 0, tokens, 0, 0,
-                          int(FailReason.SLOT_ZERO_IN_PREFIX))
-    return rows, zero
+# ------------------------------------------------------------ step 4: summarise
 
 
-def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
-          ring_capacity: int | None = None, compat: bool = False,
-          chunk_entries: int = CHUNK_ENTRIES, progress=None) -> AuditResult:
-    """Audit a :class:`~kvcanary.dump.Dump` (or a path to one); see the module docstring.
+def _value_counts(values: np.ndarray) -> tuple:
+    """``(distinct values, counts)`` of an int64 column."""
+    if values.size and 0 <= int(values.min()) and int(values.max()) < 1 << 16:
+        counts = np.bincount(values)
+        present = np.flatnonzero(counts)
+        return present, counts[present]
+    return np.unique(values, return_counts=True)
 
-    ``progress(done_entries, total_entries)`` is called after every launch when given."""
-    started = time.perf_counter()
-    if isinstance(dump, (str, os.PathLike)):
-        dump = load(dump)
-    chosen = resolve_backend(backend)
-    d = dump
-    rows_table = np.asarray(d.req_pool_indices)
-    seq_lens = np.asarray(d.seq_lens)
-    active = rows_table != 0
-    starts = window_start(seq_lens, d.swa_window_size)
-    lengths = np.where(active, np.maximum(0, seq_lens - starts), 0).astype(np.int64)
-    live_entries = int(lengths.sum())
-    sweep_entries = d.num_sweep_entries
-    total_entries = live_entries + sweep_entries
-    if total_entries == 0:
-        raise AuditError(f"{d.path}: nothing to check: no live request has a written prefix "
-                         "(req_pool_indices / seq_lens) and there are no sweep entries; "
-                         "an audit of zero entries proves nothing")
-    if ring_capacity is None:
-        ring_capacity = total_entries
-    if ring_capacity < 1:
-        raise AuditError(f"ring capacity must be at least 1, got {ring_capacity}")
-    bound = check_source_bound(max_real_kv_sources)
-    try:
-        check_source_count(len(d.real_kv), bound,
-                           raise_with="kvcanary audit --max-real-kv-sources N")
-    except ValueError as exc:
-        raise AuditError(f"{d.path}: key real_kv_params: {str(exc).removeprefix('kv-canary: ')}"
-                         ) from None
-    launcher = _Launcher(d, chosen, max_real_kv_sources)
-    check_token = d.expected_tokens is not None
-    tag = int(d.launch_tag)
-    result = AuditResult(
-        path=d.path, backend=chosen, launch_tag=d.launch_tag.name, num_slots=d.num_slots,
-        live_requests=int(active.sum()), live_entries=live_entries, sweep_entries=sweep_entries,
-        real_kv_sources=len(d.real_kv), real_kv_hash_mode=d.real_kv_hash_mode.name.lower(),
-        swa_window_size=d.swa_window_size, check_expected_token=check_token, compat=compat,
-        ring_capacity=int(ring_capacity))
-    capacity = int(ring_capacity)
-    kept = []  # findings of the first `capacity` rows (the report's fill-once ring)
-    reasons, tags = Counter(), Counter()
-    done = total_rows = 0  # a Python int: the report ring's int32 index could wrap
 
-    def account(rows: np.ndarray, entry_of: np.ndarray, describe) -> None:
-        nonlocal done, total_rows
-        order = np.argsort(np.where(entry_of < 0, np.iinfo(np.int64).max, entry_of), kind="stable")
-        rows, entry_of = rows[order], entry_of[order]
-        base = len(kept)
-        total_rows += rows.shape[0]
-        bits, bit_counts = np.unique(rows[:, 7], return_counts=True)
-        for value, count in zip(bits.tolist(), bit_counts.tolist()):
+class _Tally:
+    """Exact totals over every row, and the findings of the first ``keep`` rows."""
+
+    def __init__(self, d: Dump, keep: int):
+        self.dump, self.keep = d, keep
+        self.total = self.unattributed = self.sweep = 0
+        self.reasons, self.tags = Counter(), Counter()
+        self.findings: list = []
+        self.requests: list = []
+
+    def add(self, rows: np.ndarray, entry_of: np.ndarray, launch: _Launch) -> None:
+        if rows.shape[0] == 0:
+            return
+        self.total += rows.shape[0]
+        for value, count in zip(*(a.tolist() for a in _value_counts(rows[:, 7]))):
             for label in reason_labels(value) or ["none"]:
-                reasons[label] += count
-        kinds, kind_counts = np.unique(rows[:, 0], return_counts=True)
-        for value, count in zip(kinds.tolist(), kind_counts.tolist()):
-            tags[tag_name(value)] += count
-        room = max(0, min(rows.shape[0], capacity - base))
-        for row, entry in zip(rows[:room].tolist(), entry_of[:room].tolist()):
-            kept.append(describe(Violation(*row), entry))
+                self.reasons[label] += count
+        for value, count in zip(*(a.tolist() for a in _value_counts(rows[:, 0]))):
+            self.tags[tag_name(value)] += count
+        # Row of each failing entry. An entry yields at most one row: a second row naming the
+        # same entry (only a faulty backend emits one) counts as unattributed.
+        claims = np.flatnonzero(entry_of >= 0)[::-1]
+        row_of = np.full(launch.size, -1, dtype=np.int64)
+        row_of[entry_of[claims]] = claims          # reversed: the first claim wins
+        failing = np.flatnonzero(row_of >= 0)
+        attributed = np.zeros(rows.shape[0], dtype=bool)
+        attributed[row_of[failing]] = True
+        entry_of = np.where(attributed, entry_of, -1)
+        self.unattributed += int(rows.shape[0] - failing.size)
+        if launch.live:
+            self._add_requests(failing, launch)
+        else:
+            self.sweep += int(failing.size)
+        room = self.keep - len(self.findings)
+        if room <= 0:
+            return
+        order = np.concatenate([row_of[failing[:room]], np.flatnonzero(~attributed)[:room]])[:room]
+        for index in order.tolist():
+            entry = int(entry_of[index])
+            self.findings.append(self._finding(Violation(*rows[index].tolist()), entry, launch))
 
-    device = launcher.device
-    table = device(d.req_to_token)
-    lut = device(d.full_to_swa_index_mapping)
-    pool = device(d.expected_tokens)
-    xp = launcher.xp
-    for begin, end, total in _plan_chunks(lengths, max(1, int(chunk_entries))):
-        if total == 0:
-            continue
-        bs = end - begin
-        verify_plan = VerifyPlan.allocate(total, xp=xp)
-        write_plan = WritePlan.allocate(bs, xp=xp)
-        valid_lens = None if pool is None else device(
-            np.ascontiguousarray(d.expected_tokens_valid_lens[begin:end]))
-        try:
-            api.plan(req_pool_indices=device(np.ascontiguousarray(rows_table[begin:end])),
-                     prefix_lens=device(np.ascontiguousarray(seq_lens[begin:end])),
-                     extend_seq_lens=xp.zeros(bs, dtype=xp.int64), req_to_token=table,
-                     verify_plan=verify_plan, write_plan=write_plan,
-                     swa_window_size=d.swa_window_size, full_to_swa_index_mapping=lut,
-                     req_to_verify_expected_tokens=pool,
-                     req_to_verify_expected_tokens_valid_lens=valid_lens)
-        except ValueError as exc:
-            text = str(exc).removeprefix("kv-canary: ")
-            where = "key full_to_swa_index_mapping: " if "full_to_swa" in text else ""
-            raise AuditError(f"{d.path}: {where}{text}") from None
-        context = launcher.context(tag, total)
-        api.verify(context, verify_plan, check_expected_token=check_token)
-        entries = _Entries(*(_host(a)[:total].copy() for a in (
-            verify_plan.verify_slot_indices, verify_plan.verify_prev_slot_indices,
-            verify_plan.verify_expected_positions, verify_plan.verify_expected_tokens)))
-        rows = context.violation_log.rows()
-        entry_of = _attribute(rows, entries, launcher, tag, check_token)
-        if not compat:
-            zero_rows, zero_entries = _slot_zero_rows(entries, tag, check_token)
-            rows = np.concatenate([rows, zero_rows])
-            entry_of = np.concatenate([entry_of, zero_entries])
-        chunk_lengths = lengths[begin:end]
-        nonempty = np.flatnonzero(chunk_lengths > 0)
-        offsets = (np.cumsum(chunk_lengths) - chunk_lengths)[nonempty]
+    def _add_requests(self, failing: np.ndarray, launch: _Launch) -> None:
+        """Per affected request: count and first/last position (entries of a request are
+        consecutive and in position order)."""
+        if failing.size == 0:
+            return
+        batch = launch.batch_index[failing]
+        heads = np.flatnonzero(np.diff(batch, prepend=-1))
+        tails = np.append(heads[1:], batch.size) - 1
+        positions = launch.entries.positions
+        rows_table = self.dump.req_pool_indices
+        for head, tail in zip(heads.tolist(), tails.tolist()):
+            b = int(batch[head])
+            self.requests.append(RequestSummary(
+                batch_index=b, request_row=int(rows_table[b]), violations=tail - head + 1,
+                first_position=int(positions[failing[head]]),
+                last_position=int(positions[failing[tail]])))
 
-        def describe(v, entry, entries=entries, offsets=offsets, nonempty=nonempty, begin=begin):
-            if entry < 0:
-                return _finding(v, "unattributed", d.num_slots)
-            b = int(nonempty[np.searchsorted(offsets, entry, "right") - 1])
-            return _finding(v, "request", d.num_slots, swa=d.full_to_swa_index_mapping is not None,
-                            batch_index=begin + b,
-                            request_row=int(rows_table[begin + b]),
-                            position=int(entries.positions[entry]),
-                            prev_slot=int(entries.prevs[entry]))
+    def _finding(self, v: Violation, entry: int, launch: _Launch) -> Finding:
+        d, e = self.dump, launch.entries
+        if entry < 0:
+            return _finding(v, "unattributed", d.num_slots)
+        where = dict(position=int(e.positions[entry]), prev_slot=int(e.prevs[entry]))
+        if not launch.live:
+            return _finding(v, "sweep", d.num_slots, sweep_index=launch.sweep_begin + entry,
+                            **where)
+        b = int(launch.batch_index[entry])
+        return _finding(v, "request", d.num_slots, swa=d.full_to_swa_index_mapping is not None,
+                        batch_index=b, request_row=int(d.req_pool_indices[b]), **where)
 
-        account(rows, entry_of, describe)
-        done += total
-        if progress:
-            progress(done, total_entries)
-
-    if sweep_entries:
-        stag = int(sweep_tag(d.launch_tag))
-        step = max(1, int(chunk_entries))
-        for begin in range(0, sweep_entries, step):
-            end = min(sweep_entries, begin + step)
-            m = end - begin
-            entries = _Entries(*(np.ascontiguousarray(a[begin:end], dtype=np.int64) for a in (
-                d.sweep_slot_indices, d.sweep_prev_slot_indices, d.sweep_positions)),
-                np.full(m, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64))
-            plan = VerifyPlan(
-                verify_slot_indices=device(entries.slots),
-                verify_expected_tokens=device(entries.tokens),
-                verify_expected_positions=device(entries.positions),
-                verify_prev_slot_indices=device(entries.prevs),
-                verify_num_valid=xp.array([m], dtype=xp.int32), enable=xp.ones(1, dtype=xp.int32))
-            context = launcher.context(stag, m)
-            api.verify(context, plan, check_expected_token=False)
-            rows = context.violation_log.rows()
-            entry_of = _attribute(rows, entries, launcher, stag, False)
-
-            def describe_sweep(v, entry, entries=entries, begin=begin):
-                if entry < 0:
-                    return _finding(v, "unattributed", d.num_slots)
-                return _finding(v, "sweep", d.num_slots, sweep_index=begin + entry,
-                                position=int(entries.positions[entry]),
-                                prev_slot=int(entries.prevs[entry]))
-
-            account(rows, entry_of, describe_sweep)
-            done += m
-            if progress:
-                progress(done, total_entries)
-
-    result.total_violations = total_rows
-    result.findings = kept
-    result.counts_by_reason = dict(sorted(reasons.items()))
-    result.counts_by_tag = dict(sorted(tags.items()))
-    result.unattributed = sum(1 for f in kept if f.kind == "unattributed")
-    result.elapsed_s = time.perf_counter() - started
-    return result
+    def fill(self, result: "AuditResult") -> None:
+        result.total_violations = self.total
+        result.findings = self.findings
+        result.counts_by_reason = dict(sorted(self.reasons.items()))
+        result.counts_by_tag = dict(sorted(self.tags.items()))
+        requests = sum(r.violations for r in self.requests)
+        result.counts_by_entry = {name: count for name, count in (
+            ("request", requests), ("sweep", self.sweep), ("unattributed", self.unattributed))
+            if count}
+        result.requests = self.requests
+        result.unattributed = self.unattributed
 
 
 def _finding(v: Violation, kind: str, num_slots: int, swa: bool = False, **where) -> Finding:
@@ -559,3 +682,70 @@ def _finding(v: Violation, kind: str, num_slots: int, swa: bool = False, **where
                    cause=likely_cause(v, position=position, prev_slot=prev, num_slots=num_slots,
                                       swa=swa),
                    **where)
+
+
+# ------------------------------------------------------------ the loop
+
+
+def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
+          ring_capacity: int | None = None, max_findings: int = DEFAULT_MAX_FINDINGS,
+          compat: bool = False, chunk_entries: int = CHUNK_ENTRIES, progress=None) -> AuditResult:
+    """Audit a :class:`~kvcanary.dump.Dump` (or a path to one); see the module docstring.
+
+    ``max_findings`` bounds the rows kept as findings (0 keeps every row); the totals and
+    counts always cover every row. ``progress(done_entries, total_entries)`` is called after
+    every launch when given."""
+    started = time.perf_counter()
+    if isinstance(dump, (str, os.PathLike)):
+        dump = load(dump)
+    d = dump
+    chosen = resolve_backend(backend)
+    lengths = _live_lengths(d)
+    live_entries = int(lengths.sum())
+    total_entries = live_entries + d.num_sweep_entries
+    if total_entries == 0:
+        raise AuditError(f"{d.path}: nothing to check: no live request has a written prefix "
+                         "(req_pool_indices / seq_lens) and there are no sweep entries; "
+                         "an audit of zero entries proves nothing")
+    ring_capacity = total_entries if ring_capacity is None else int(ring_capacity)
+    if ring_capacity < 1:
+        raise AuditError(f"ring capacity must be at least 1, got {ring_capacity}")
+    if max_findings < 0:
+        raise AuditError(f"max_findings must be 0 (keep every finding) or more, got {max_findings}")
+    bound = check_source_bound(max_real_kv_sources)
+    try:
+        check_source_count(len(d.real_kv), bound,
+                           raise_with="kvcanary audit --max-real-kv-sources N")
+    except ValueError as exc:   # one line: the CLI shows a single line per error
+        text = " ".join(str(exc).removeprefix("kv-canary: ").splitlines())
+        raise AuditError(f"{d.path}: key real_kv_params: {text}") from None
+
+    launcher = _Launcher(d, chosen, max_real_kv_sources)
+    check_token = d.expected_tokens is not None
+    result = AuditResult(
+        path=d.path, backend=chosen, launch_tag=d.launch_tag.name, num_slots=d.num_slots,
+        live_requests=int(np.count_nonzero(np.asarray(d.req_pool_indices))),
+        live_entries=live_entries, sweep_entries=d.num_sweep_entries,
+        real_kv_sources=len(d.real_kv), real_kv_hash_mode=d.real_kv_hash_mode.name.lower(),
+        swa_window_size=d.swa_window_size, check_expected_token=check_token, compat=compat,
+        ring_capacity=ring_capacity, max_findings=int(max_findings))
+    keep = min(ring_capacity, max_findings or ring_capacity)
+    tally = _Tally(d, keep)
+    chunk = max(1, int(chunk_entries))
+    done = 0
+    launches = itertools.chain(_live_launches(d, launcher, lengths, chunk),
+                               _sweep_launches(d, launcher, chunk))
+    for launch in launches:
+        rows = _verify(launcher, launch)
+        entry_of = _attribute(rows, launch, launcher)
+        if launch.live and not compat:
+            zero_rows, zero_entries = _slot_zero_rows(launch.entries, launch.tag, check_token)
+            rows = np.concatenate([rows, zero_rows])
+            entry_of = np.concatenate([entry_of, zero_entries])
+        tally.add(rows, entry_of, launch)
+        done += launch.size
+        if progress:
+            progress(done, total_entries)
+    tally.fill(result)
+    result.elapsed_s = time.perf_counter() - started
+    return result

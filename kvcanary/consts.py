@@ -1,6 +1,6 @@
 """Constants and enums of the canary format.
 
-Every value here is a fact of the upstream (SGLang) canary format, except the two
+Every value here is a fact of the upstream (SGLang) canary format, except the
 ``FailReason`` bits marked as kvcanary extensions. ``kernels/kvc_consts.cuh`` holds the
 same values for the CUDA side; ``tests/test_const_sync.py`` keeps the two files equal.
 """
@@ -66,9 +66,10 @@ class FailReason(enum.IntFlag):
     WRITE_TOKEN_MISMATCH = 1 << 3
     WRITE_POSITION_MISMATCH = 1 << 4
     VERIFY_TOKEN_MISMATCH = 1 << 5
-    # kvcanary extensions (not upstream): see DESIGN.md.
+    # kvcanary extensions (not upstream): see docs/extensions.md.
     SLOT_OUT_OF_RANGE = 1 << 6
     SLOT_ZERO_IN_PREFIX = 1 << 7
+    WRITE_SLOT_CONFLICT = 1 << 8
 
 
 class RealKvHashMode(enum.IntEnum):

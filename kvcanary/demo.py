@@ -37,10 +37,27 @@ class DemoReport:
     faulty: object
     outcomes: list
     rows: list
+    kept: tuple = ()   # (clean, faulty) dump paths when a workdir was given
 
     @property
     def passed(self) -> bool:
         return self.clean.clean and all(row.missed == 0 for row in self.rows)
+
+    @property
+    def faults(self) -> int:
+        return sum(row.injected for row in self.rows)
+
+    def example(self):
+        """A finding to show: the first one at an injected fault's entry that also breaks
+        the next token's chain link (a changed token), else the first finding."""
+        findings = self.faulty.findings
+        token = [o for o in self.outcomes if o.kind == "token" and o.detected]
+        for outcome in token:
+            for finding in findings:
+                if (finding.request_row, finding.position) == (outcome.request_row,
+                                                               outcome.position):
+                    return finding
+        return findings[0] if findings else None
 
 
 def run_demo(*, mode: str = "partial", seed: int = 0, backend: str = "auto",
@@ -53,13 +70,13 @@ def run_demo(*, mode: str = "partial", seed: int = 0, backend: str = "auto",
         synthesis = Synthesis(config).run(progress=progress)
         clean_path = os.path.join(where, "clean.npz")
         save(clean_path, **synthesis.arrays())
-        clean = audit(clean_path, backend=backend, compat=compat)
+        clean = audit(clean_path, backend=backend, compat=compat, max_findings=0)
         for kind, count in DEMO_FAULTS:
             synthesis.inject(kind, count)
         faulty_path = os.path.join(where, "faulty.npz")
         save(faulty_path, **synthesis.arrays())
         faulty_dump = load(faulty_path)
-        faulty = audit(faulty_dump, backend=backend, compat=compat)
+        faulty = audit(faulty_dump, backend=backend, compat=compat, max_findings=0)
         outcomes = score(faults_from_dump(faulty_dump), faulty)
     rows = {}
     for outcome in outcomes:
@@ -76,7 +93,8 @@ def run_demo(*, mode: str = "partial", seed: int = 0, backend: str = "auto",
             row.fired.update(reason_labels(outcome.fired_bits))
             row.notes.append("MISSED: " + (outcome.note or "no finding at the target entry"))
     return DemoReport(synthesis=synthesis, clean=clean, faulty=faulty, outcomes=outcomes,
-                      rows=[rows[k] for k in FAULT_KINDS if k in rows])
+                      rows=[rows[k] for k in FAULT_KINDS if k in rows],
+                      kept=(clean_path, faulty_path) if workdir else ())
 
 
 def group_notes(notes) -> list:

@@ -12,6 +12,7 @@ tensor only once kvcanary drops the last view of it.
 from __future__ import annotations
 
 import ctypes
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,33 +40,13 @@ _FLAG_READ_ONLY = 1 << 0
 _FLAG_SUBBYTE_PADDED = 1 << 2
 
 
-class _Device(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _Device), ("ndim", ctypes.c_int32),
-                ("dtype", _DataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _ManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p)]
-
-
-class _Version(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class _ManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [("version", _Version), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64),
-                ("dl_tensor", _DLTensor)]
+# dlpack.h structs as struct formats:
+# DLTensor {void* data; DLDevice {int32 type, id}; int32 ndim; DLDataType {uint8 code, bits;
+# uint16 lanes}; int64* shape; int64* strides; uint64 byte_offset}; DLManagedTensor starts
+# with it; DLManagedTensorVersioned starts with {uint32 major, minor}, manager_ctx, deleter,
+# uint64 flags, then the DLTensor.
+_DL_TENSOR = struct.Struct("<QiiiBBHQQQ")
+_VERSIONED_HEAD = struct.Struct("<IIQQQ")
 
 
 _capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
@@ -158,37 +139,40 @@ def _call_dlpack(x, name: str, stream):
 
 def _read_capsule(capsule, name: str) -> Tensor:
     if _capsule_is_valid(capsule, b"dltensor_versioned"):
-        managed = _ManagedTensorVersioned.from_address(
-            _capsule_pointer(capsule, b"dltensor_versioned"))
-        if managed.version.major > 1:
-            raise ValueError(f"kv-canary: {name} is a DLPack {managed.version.major}."
-                             f"{managed.version.minor} tensor; kvcanary reads DLPack 1.x")
-        flags = int(managed.flags)
+        address = _capsule_pointer(capsule, b"dltensor_versioned")
+        major, minor, _, _, flags = _VERSIONED_HEAD.unpack(
+            ctypes.string_at(address, _VERSIONED_HEAD.size))
+        if major > 1:
+            raise ValueError(f"kv-canary: {name} is a DLPack {major}.{minor} tensor; kvcanary "
+                             "reads DLPack 1.x")
+        address += _VERSIONED_HEAD.size
     elif _capsule_is_valid(capsule, b"dltensor"):
-        managed = _ManagedTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+        address = _capsule_pointer(capsule, b"dltensor")
         flags = _FLAG_READ_ONLY  # an unversioned export cannot say it is writable (numpy agrees)
     else:
         raise ValueError(f"kv-canary: {name}.__dlpack__() did not return an unused DLPack capsule")
-    t = managed.dl_tensor
-    ndim = int(t.ndim)
-    shape = tuple(int(t.shape[i]) for i in range(ndim))
-    strides = tuple(int(t.strides[i]) for i in range(ndim)) if t.strides else None
-    bits = int(t.dtype.bits)
+    (data, device_type, device_id, ndim, code, bits, lanes, shape_at, strides_at,
+     byte_offset) = _DL_TENSOR.unpack(ctypes.string_at(address, _DL_TENSOR.size))
+    shape = _int64s(shape_at, ndim)
+    strides = _int64s(strides_at, ndim) if strides_at else None
     if flags & _FLAG_SUBBYTE_PADDED and bits < 8:
         bits = 8  # each sub-byte element sits in a byte of its own
-    return Tensor(device_type=int(t.device.device_type), device_id=int(t.device.device_id),
-                  code=int(t.dtype.code), bits=bits, lanes=int(t.dtype.lanes),
-                  data=int(t.data or 0) + int(t.byte_offset), shape=shape, strides=strides,
+    return Tensor(device_type=device_type, device_id=device_id, code=code, bits=bits,
+                  lanes=lanes, data=data + byte_offset, shape=shape, strides=strides,
                   read_only=bool(flags & _FLAG_READ_ONLY), capsule=capsule)
+
+
+def _int64s(address: int, count: int) -> tuple:
+    return struct.unpack(f"<{count}q", ctypes.string_at(address, 8 * count)) if count else ()
 
 
 class _Owner:
     """Holds the capsule and describes the memory to numpy or cupy through their array
     interfaces; the array made from it keeps this object (and so the capsule) alive."""
 
-    def __init__(self, tensor: Tensor, dtype: np.dtype, shape: tuple, byte_strides: tuple):
+    def __init__(self, tensor: Tensor, shape: tuple, byte_strides: tuple):
         self.tensor = tensor
-        interface = {"shape": shape, "typestr": dtype.str, "strides": byte_strides,
+        interface = {"shape": shape, "typestr": "|u1", "strides": byte_strides,
                      "data": (tensor.data, tensor.read_only), "version": 3}
         if tensor.device_type in HOST_DEVICES:
             self.__array_interface__ = interface
@@ -196,9 +180,10 @@ class _Owner:
             self.__cuda_array_interface__ = dict(interface, stream=None)  # synced at export
 
 
-def wrap(tensor: Tensor, dtype: np.dtype, shape: tuple, byte_strides: tuple):
-    """A numpy (host) or cupy (CUDA) array over the tensor's memory, owning the capsule."""
-    owner = _Owner(tensor, np.dtype(dtype), tuple(shape), tuple(byte_strides))
+def byte_array(tensor: Tensor, shape: tuple, byte_strides: tuple):
+    """A ``uint8`` numpy (host) or cupy (CUDA) array over the tensor's memory, owning the
+    capsule."""
+    owner = _Owner(tensor, tuple(shape), tuple(byte_strides))
     if tensor.device_type in HOST_DEVICES:
         return np.asarray(owner)
     cupy = import_cupy("array")

@@ -1,6 +1,6 @@
 """Dump format v1: one canary buffer and the tables needed to verify it.
 
-Three containers hold the same keys (DESIGN.md, "Dump format v1"):
+Three containers hold the same keys (docs/dump-format.md):
 
 * ``.npz``            a numpy zip archive (``numpy.savez``),
 * a directory         one ``KEY.npy`` file per key, memory-mapped on load,
@@ -128,8 +128,23 @@ def _host_array(value, key: str) -> np.ndarray:
 
 
 def save(path, **arrays) -> str:
-    """Write a dump; the container follows the path (``.npz``, ``.safetensors``, else a
-    directory of ``.npy``). ``kvcanary_dump_version`` is added when missing. Returns the path."""
+    """Write a dump to ``path`` and return the path.
+
+    The container follows the path: ``.npz``, ``.safetensors`` (needs the ``safetensors``
+    package), anything else a directory of ``KEY.npy`` files (created; an earlier dump there
+    is replaced as a whole). Keys and their dtypes and shapes are described in
+    ``docs/dump-format.md``; ``kvcanary_dump_version`` is added when missing.
+
+    Takes numpy or cupy arrays, anything with ``__dlpack__`` or ``__array__`` (torch tensors
+    work; device memory is copied to the host), Python ints, lists and strings; ``None``
+    values are skipped. Narrower integers of an int64 key (e.g. ``int32`` ``seq_lens``) are
+    widened losslessly, as :func:`load` does.
+
+    Refuses, with a :class:`DumpError` naming the key, before anything is written: every
+    dump :func:`load` would refuse (the same checker runs on the arrays), object arrays,
+    values it cannot bring to the host, non-scalar strings in ``.safetensors``, and a
+    directory that holds anything but an earlier dump. The dump is written under a temporary
+    name and renamed when complete, so an error or an interrupt leaves no part of it."""
     path = str(path)
     flavour = flavour_of(path)
     values = {VERSION_KEY: np.array(DUMP_VERSION, dtype=np.int64)}
@@ -140,6 +155,10 @@ def save(path, **arrays) -> str:
         if array.dtype.kind == "O":
             raise DumpError(f"{path}: key {key}: object arrays cannot be dumped")
         values[key] = array
+    values = widen(values)
+    validate(path, flavour, values)
+    if flavour == "safetensors":
+        _require_safetensors(path)
     # Written under a temporary name and renamed when complete: an interrupt or an error
     # leaves the earlier dump at ``path`` (or nothing), never a part of the new one.
     if flavour == "npz":
@@ -151,7 +170,8 @@ def save(path, **arrays) -> str:
             for key, array in values.items():
                 np.save(os.path.join(temporary, f"{key}.npy"), array, allow_pickle=False)
     else:
-        numpy_api = _safetensors_numpy(path)
+        import safetensors.numpy
+
         metadata, tensors = {}, {}
         for key, array in values.items():
             if array.dtype.kind == "U":
@@ -161,7 +181,7 @@ def save(path, **arrays) -> str:
             else:
                 tensors[key] = np.ascontiguousarray(array)
         with replacing(path) as temporary:
-            numpy_api.save_file(tensors, temporary, metadata=metadata or None)
+            safetensors.numpy.save_file(tensors, temporary, metadata=metadata or None)
     return path
 
 
@@ -182,13 +202,32 @@ def _check_replaceable_directory(path: str) -> None:
                         f"({(foreign or names)[0]}); write the dump to an empty or new directory")
 
 
-def _safetensors_numpy(path):
+CONTAINER_SUFFIXES = {".npz": "npz", ".safetensors": "safetensors", "": "dir"}
+
+
+def container_for(path) -> str:
+    """The container a new dump at ``path`` gets, strictly from its name: ``npz`` for
+    ``.npz``, ``safetensors`` for ``.safetensors``, ``dir`` for a name without a suffix or
+    ending in ``/``. Raises :class:`DumpError` for any other suffix, or when the container
+    needs a package that is missing (``safetensors``)."""
+    name = str(path)
+    suffix = "" if name.endswith(("/", os.sep)) else os.path.splitext(name)[1]
+    if suffix not in CONTAINER_SUFFIXES:
+        raise DumpError(f"{name}: unknown dump container suffix {suffix!r}: use .npz, "
+                        ".safetensors, or a name without a suffix (or ending in /) for a "
+                        "directory of .npy files")
+    flavour = CONTAINER_SUFFIXES[suffix]
+    if flavour == "safetensors":
+        _require_safetensors(name)
+    return flavour
+
+
+def _require_safetensors(path: str) -> None:
     try:
-        import safetensors.numpy
+        import safetensors.numpy  # noqa: F401
     except ImportError:
         raise DumpError(f"{path}: .safetensors dumps need the safetensors package "
                         "(pip install safetensors)") from None
-    return safetensors.numpy
 
 
 # --------------------------------------------------------------------------- load
@@ -216,8 +255,9 @@ def _npy_layout(fp) -> tuple:
         shape, _, dtype = npy_format.read_array_header_1_0(fp)
     elif version == (2, 0):
         shape, _, dtype = npy_format.read_array_header_2_0(fp)
-    else:
-        shape, _, dtype = npy_format._read_array_header(fp, version)
+    else:   # 3.0 exists only for utf-8 field names: structured dtypes, refused anyway
+        raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported "
+                         "(kvcanary reads 1.0 and 2.0)")
     if dtype.hasobject:
         raise ValueError("object (pickled) arrays are refused")
     count = 1
@@ -361,7 +401,7 @@ def _read_dir(path: str) -> dict:
 
 
 def _read_safetensors(path: str) -> dict:
-    _safetensors_numpy(path)
+    _require_safetensors(path)
     from safetensors import safe_open
 
     try:
@@ -507,13 +547,48 @@ def _valid_unicode(array) -> bool:
 
 
 def load(path) -> Dump:
-    """Read and validate a dump (format v1); raises :class:`DumpError`."""
+    """Read and validate the dump at ``path`` (an ``.npz`` or ``.safetensors`` file, or a
+    directory of ``KEY.npy`` files) and return a :class:`Dump` of numpy arrays
+    (memory-mapped where the container allows). Never writes to the input.
+
+    Refuses, with a :class:`DumpError` whose message names the file and the key: a path
+    that holds no dump ("not a kvcanary dump", listing the missing required keys), a missing
+    required key, a dtype, shape or value outside ``docs/dump-format.md`` (narrower integers
+    of an int64 key are widened losslessly, as :func:`save` does), inconsistent optional
+    groups, pickled objects, and containers whose sizes do not add up (truncated files,
+    forged sizes, zip bombs)."""
     path = str(path)
     flavour, values = read_raw(path)
     return validate(path, flavour, values)
 
 
+# Keys every dump holds.
+REQUIRED_KEYS = (VERSION_KEY, "canary", "req_to_token", "req_pool_indices", "seq_lens")
+# Keys whose dtype is int64: narrower integers are widened on save and on load alike.
+INT64_KEYS = (VERSION_KEY, "req_pool_indices", "seq_lens", "real_kv_params", "swa_window_size",
+              "full_to_swa_index_mapping", "expected_tokens_valid_lens", "sweep_slot_indices",
+              "sweep_prev_slot_indices", "sweep_positions")
+
+
+def widen(values: dict) -> dict:
+    """``values`` with the int64 keys' narrower integer arrays (int8..int32, uint8..uint32)
+    as int64: every value fits, so nothing is lost. Other dtypes are left for the checker."""
+    widened = dict(values)
+    for key in INT64_KEYS:
+        value = widened.get(key)
+        if value is not None and value.dtype.kind in "iu" and value.dtype != np.int64 \
+                and np.can_cast(value.dtype, np.int64):
+            widened[key] = value.astype(np.int64)
+    return widened
+
+
 def validate(path: str, flavour: str, values: dict) -> Dump:
+    """The one checker behind :func:`load` and :func:`save`: ``values`` (key -> numpy
+    array, as read from a container) as a :class:`Dump`, or :class:`DumpError`."""
+    if VERSION_KEY not in values:
+        missing = ", ".join(key for key in REQUIRED_KEYS if key not in values)
+        raise DumpError(f"{path}: not a kvcanary dump: it lacks the required key(s) {missing}")
+    values = widen(values)
     c = _Checker(path, values)
     version = c.scalar_int(VERSION_KEY, c.get(VERSION_KEY, required=True))
     if version != DUMP_VERSION:

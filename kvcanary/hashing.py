@@ -1,6 +1,6 @@
 """SplitMix64 and the chain link, for Python ints and for numpy integer arrays.
 
-The spec's rules, one function each:
+The rules of docs/format.md §3-§4, one function each:
   splitmix64(x)         the SplitMix64 finalizer (no increment step)
   splitmix64_mix3(a,b,c) fold a, b, c in that order
   link(prev, tok, pos)  the chain link of a record = mix3(prev_hash, token, position)

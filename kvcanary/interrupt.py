@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import multiprocessing
 import signal
 import threading
@@ -100,22 +101,23 @@ class WorkerPool:
 
     def map(self, function, tasks, *, failed=None):
         """``function(task)`` for every task, yielded in task order as each is ready. A task
-        whose worker died (killed, out of memory) or raised gives ``failed(task, exc)`` when
-        ``failed`` is given, and raises otherwise."""
+        that raised, or whose worker died (killed, out of memory), gives ``failed(task, exc)``
+        when ``failed`` is given, and raises otherwise."""
         if self._executor is None:
-            yield from map(function, tasks)
-            return
-        with signals_held():   # workers are started here: they inherit the hold
-            futures = [self._executor.submit(function, task) for task in tasks]
+            results = [functools.partial(function, task) for task in tasks]
+        else:
+            with signals_held():   # workers are started here: they inherit the hold
+                results = [self._executor.submit(function, task).result for task in tasks]
         # Tasks left over when the caller stops early are cancelled by leaving the pool's
         # block, not here: the pool's own thread must see the cancellation.
-        for task, future in zip(tasks, futures):
+        for task, result in zip(tasks, results):
             try:
-                yield future.result()
+                outcome = result()
             except Exception as exc:
                 if failed is None:
                     raise
-                yield failed(task, exc)
+                outcome = failed(task, exc)
+            yield outcome
 
     def __enter__(self) -> "WorkerPool":
         return self

@@ -97,8 +97,8 @@ class _World:
             "slot_run_counter": get(self.ctx.slot_run_counter),
             "kernel_run_counter": get(self.ctx.kernel_run_counter),
             "rows": sorted(tuple(int(v) for v in r) for r in rows),
-            **{f"plan.{k}": get(v) for k, v in vars(self.verify_plan).items()},
-            **{f"plan.{k}": get(v) for k, v in vars(self.write_plan).items()},
+            **{k: get(v) for k, v in self.verify_plan.arrays().items()},
+            **{k: get(v) for k, v in self.write_plan.arrays().items()},
         }
 
 

@@ -1,5 +1,5 @@
 """The data types of the public API: real-KV sources, plans, the violation log and the
-launch context. Field names, dtypes and shapes are upstream's (spec §2.8, §3.1, §4.1).
+launch context. Field names, dtypes and shapes are upstream's (docs/format.md §6).
 
 Construction brings arrays in (DLPack for foreign arrays) and checks what upstream checks
 there (a real-KV source's layout); the other checks run at launch, where upstream runs them,
@@ -44,8 +44,9 @@ def check_source_count(count: int, bound: int,
         raise ValueError(
             f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "
             f"got {count}\n"
-            f"(pass {raise_with} with N >= {count}, at most {MAX_REAL_KV_SOURCES_LIMIT}, to "
-            "compile a kernel variant with more sources; no rebuild is needed)"
+            f"(the bound applies to every backend, numpy included; pass {raise_with} with "
+            f"N >= {count}, at most {MAX_REAL_KV_SOURCES_LIMIT}, to compile a kernel variant "
+            "with more sources; no rebuild is needed)"
         )
 
 
@@ -58,14 +59,25 @@ class RealKvSource:
     the producer's buffer stays alive while the source does); the row stride is the array's
     own, so rows may be wider than the slots they pack. Slot ``s`` reads
     ``(s // page_size) * row_stride + (s % page_size) * num_bytes_per_token`` onwards.
+
+    A copy (``copy.deepcopy``, pickle) is a source over a copy of the producer's tensor, so an
+    object graph copied whole keeps the producer's tensor and its source one buffer.
     """
 
     def __init__(self, tensor, *, page_size: int, num_bytes_per_token: int, read_bytes: int):
         self.check_layout(page_size, num_bytes_per_token, read_bytes)
         self.tensor = _byte_rows(tensor, "RealKvSource.tensor")
+        self._producer_tensor = tensor
         self.page_size = int(page_size)
         self.num_bytes_per_token = int(num_bytes_per_token)
         self.read_bytes = int(read_bytes)
+
+    def __reduce__(self):
+        # Copying the byte view alone would give it memory of its own (numpy copies a view as
+        # a new array), so bytes written later through the producer's copy would not be the
+        # bytes hashed: rebuild the view over the producer's copy instead.
+        return (_source_over, (self._producer_tensor, self.page_size, self.num_bytes_per_token,
+                               self.read_bytes))
 
     @staticmethod
     def check_layout(page_size: int, num_bytes_per_token: int, read_bytes: int) -> None:
@@ -119,6 +131,12 @@ class RealKvSource:
                 f"({self.tensor.shape[0]} rows x page_size {self.page_size}) but "
                 f"canary_buf has {num_slots}; every canary slot needs its real KV bytes"
             )
+
+
+def _source_over(tensor, page_size: int, num_bytes_per_token: int,
+                 read_bytes: int) -> RealKvSource:
+    return RealKvSource(tensor, page_size=page_size, num_bytes_per_token=num_bytes_per_token,
+                        read_bytes=read_bytes)
 
 
 def _byte_rows(tensor, name: str):
@@ -200,11 +218,32 @@ class WritePlan:
     """Which requests one write launch stamps: CSR offsets into the step's tokens and each
     request's seed slot (upstream's fields)."""
 
+    # Kernel working memory, allocated with the plan so that no launch allocates (a launch
+    # captured in a CUDA graph must not free memory the pool hands out again): the plan
+    # kernels' per-row verify offsets, and each request's seed link and position, read by
+    # the write before anything of the launch is stored. Not part of the plan's contents.
+    SCRATCH = ("plan_offsets_scratch", "seed_links_scratch", "seed_positions_scratch")
+
     def __init__(self, write_offsets, write_seed_slot_indices, write_num_valid_reqs):
         self.write_offsets = A.as_array(write_offsets, "plan.write_offsets")
         self.write_seed_slot_indices = A.as_array(write_seed_slot_indices,
                                                   "plan.write_seed_slot_indices")
         self.write_num_valid_reqs = A.as_array(write_num_valid_reqs, "plan.write_num_valid_reqs")
+        self._allocate_scratch()
+
+    def _allocate_scratch(self) -> None:
+        seeds = self.write_seed_slot_indices
+        if seeds is None or seeds.ndim != 1:
+            return  # validate() names the problem
+        capacity = int(seeds.shape[0])
+        for name, length in zip(self.SCRATCH, (capacity + 1, capacity, capacity)):
+            setattr(self, name, _zeros_like(seeds, length))
+
+    def _scratch_fits(self) -> bool:
+        seeds = self.write_seed_slot_indices
+        scratch = getattr(self, self.SCRATCH[-1], None)
+        return (scratch is not None and scratch.shape[0] == seeds.shape[0]
+                and type(scratch) is type(seeds) and _device_of(scratch) == _device_of(seeds))
 
     @classmethod
     def allocate(cls, write_req_capacity: int, xp=np) -> "WritePlan":
@@ -240,6 +279,8 @@ class WritePlan:
                 "kv-canary: write_offsets_len must equal write_req_capacity + 1, got "
                 f"{self.write_offsets.shape[0]} and {capacity + 1}"
             )
+        if not self._scratch_fits():  # the arrays were replaced after construction
+            self._allocate_scratch()
 
 
 class ViolationLog:
@@ -282,7 +323,7 @@ class ViolationLog:
     @property
     def total(self) -> int:
         """Violations recorded since the last clear, dropped ones included."""
-        return int(_host(self.write_index)[0])
+        return int(to_host(self.write_index)[0])
 
     @property
     def valid_rows(self) -> int:
@@ -306,7 +347,7 @@ class ViolationLog:
 
     def rows(self) -> np.ndarray:
         """The valid rows as a host ``int64[valid_rows, 8]`` copy, in ring order."""
-        return np.array(_host(self.ring[: self.valid_rows]), dtype=np.int64, copy=True)
+        return np.array(to_host(self.ring[: self.valid_rows]), dtype=np.int64, copy=True)
 
     def violations(self) -> list:
         from .violations import Violation
@@ -314,12 +355,13 @@ class ViolationLog:
         return [Violation.from_row(row) for row in self.rows()]
 
 
-def _host(array) -> np.ndarray:
+def to_host(array) -> np.ndarray:
+    """A numpy view of a numpy array, a host copy of a cupy one."""
     return array.get() if A.is_cupy_array(array) else np.asarray(array)
 
 
 class CanaryContext:
-    """Everything a write or verify launch needs besides its plan (spec §2.8)."""
+    """Everything a write or verify launch needs besides its plan (docs/format.md §6)."""
 
     def __init__(
         self,
@@ -403,6 +445,20 @@ class CanaryContext:
                 )
             if self.hashing:  # NONE mode never dereferences a source
                 source.check_fits(self.num_slots, name)
+
+
+def _zeros_like(array, length: int):
+    """int64 zeros of the array's library, on the array's device."""
+    if A.is_cupy_array(array):
+        import cupy
+
+        with array.device:
+            return cupy.zeros(length, dtype=cupy.int64)
+    return np.zeros(length, dtype=np.int64)
+
+
+def _device_of(array):
+    return array.data.device_id if A.is_cupy_array(array) else None
 
 
 def _namespace(array):

@@ -1,5 +1,5 @@
 """Decoded violation rows and their renderings: upstream's frozen log line and block
-(spec §6.5) and a JSON-ready dict."""
+(docs/format.md §11) and a JSON-ready dict."""
 
 from __future__ import annotations
 
@@ -34,15 +34,17 @@ def reason_label(bit: FailReason) -> str:
     return name[: -len("_mismatch")] if name.endswith("_mismatch") else name
 
 
+_LABELS = {int(member): reason_label(member) for member in FailReason}
+
+
 def reason_labels(bits: int) -> list[str]:
     """Labels of the set bits in bit order; unknown bits as ``bit{n}``."""
+    bits = int(bits) & ((1 << 64) - 1)
     labels = []
-    for n in range(64):
-        if bits >> n & 1:
-            try:
-                labels.append(reason_label(FailReason(1 << n)))
-            except ValueError:
-                labels.append(f"bit{n}")
+    while bits:
+        low = bits & -bits
+        labels.append(_LABELS.get(low) or f"bit{low.bit_length() - 1}")
+        bits ^= low
     return labels
 
 
@@ -52,7 +54,7 @@ def hex64(value: int) -> str:
 
 @dataclass(frozen=True)
 class Violation:
-    """One ring row (spec §6.1). ``position`` is the stored position on the verify path and
+    """One ring row (docs/format.md §10). ``position`` is the stored position on the verify path and
     the written one on the write path; ``expected_aux`` is the expected chain hash (verify),
     the expected position (write), or the offending index (``SLOT_OUT_OF_RANGE`` rows)."""
 
@@ -108,7 +110,7 @@ class Violation:
         )
 
     def format_block(self, *, total_violations: int, ring_overflow: bool, step_when_pumped: int) -> str:
-        """Upstream's multi-line report of one row (spec §6.5)."""
+        """Upstream's multi-line report of one row (docs/format.md §11)."""
         labels = " ".join(self.labels) or "none"
         lines = [
             self.log_line(),

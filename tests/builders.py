@@ -1,7 +1,7 @@
 """Small builders shared by the tests (numpy reference now, kernel tests later).
 
 Everything here builds inputs; nothing computes an expected result. Expected values come
-from the spec's golden data or from the independent oracle in ``tests/oracle.py``.
+from upstream's golden data (docs/format.md) or from the independent oracle in ``tests/oracle.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 import kvcanary as kc
 
-H0 = 0xDE7FAE23A9A1B716  # splitmix64(CANARY_CHAIN_ANCHOR), spec §2.3
+H0 = 0xDE7FAE23A9A1B716  # splitmix64(CANARY_CHAIN_ANCHOR), docs/format.md §3
 MASK64 = (1 << 64) - 1
 
 

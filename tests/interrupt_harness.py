@@ -1,10 +1,11 @@
 """Run a ``kvcanary`` command in its own process group, wait until it shows progress, send a
-signal to the whole group (as a terminal does on Ctrl-C) and record how it stopped."""
+signal to the whole group (as a terminal does on Ctrl-C) and record how it stopped; and
+:func:`snapshot`, to show that an interrupted command left its folder as it was."""
 
 from __future__ import annotations
 
+import hashlib
 import os
-import pty
 import re
 import signal
 import subprocess
@@ -38,6 +39,12 @@ class Stopped:
         return lines
 
 
+def snapshot(folder) -> dict:
+    """Every file under ``folder`` with a digest of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def _stat(pid: int):
     """``(state, session)`` of a process, None when it is gone."""
     try:
@@ -49,15 +56,16 @@ def _stat(pid: int):
     return fields[0], int(fields[3])
 
 
+def _running(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
 def session_members(session: int) -> list:
-    """Live (non-zombie) processes of a session."""
-    members = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            stat = _stat(int(name))
-            if stat and stat[1] == session and stat[0] != "Z":
-                members.append(int(name))
-    return sorted(members)
+    """Running (not zombie) processes of a session."""
+    stats = {int(name): _stat(int(name)) for name in os.listdir("/proc") if name.isdigit()}
+    return sorted(pid for pid, stat in stats.items()
+                  if stat is not None and stat[0] != "Z" and stat[1] == session)
 
 
 class _Reader(threading.Thread):
@@ -90,17 +98,17 @@ def interrupt(args, sig: int, ready: str, *, cwd, stderr_tty: bool = True,
     command = [sys.executable, "-c", "from kvcanary.cli import main; main()", *map(str, args)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     if stderr_tty:
-        master, slave = pty.openpty()
-        err_target = slave
+        import pty   # POSIX only
+
+        err_read, err_write = pty.openpty()
     else:
-        master, slave = None, None
-        err_read, err_target = os.pipe()
+        err_read, err_write = os.pipe()
     out_read, out_write = os.pipe()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                               stdout=out_write, stderr=err_target, start_new_session=True)
+                               stdout=out_write, stderr=err_write, start_new_session=True)
     os.close(out_write)
-    os.close(err_target)
-    streams = {"stdout": _Reader(out_read), "stderr": _Reader(master if stderr_tty else err_read)}
+    os.close(err_write)
+    streams = {"stdout": _Reader(out_read), "stderr": _Reader(err_read)}
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not re.search(ready, streams[ready_on].text()):
@@ -121,8 +129,9 @@ def interrupt(args, sig: int, ready: str, *, cwd, stderr_tty: bool = True,
                                  f"stderr: {streams['stderr'].text()[-3000:]}") from None
         stop_s = time.monotonic() - sent
         deadline = time.monotonic() + GONE_TIMEOUT_S
-        while True:   # orphaned workers would stay in the session (zombies are dead)
-            alive = session_members(process.pid)
+        while True:   # by pid, and anything else in the session (zombies are dead)
+            alive = sorted({pid for pid in group if _running(pid)}
+                           | set(session_members(process.pid)))
             if not alive or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -137,4 +146,4 @@ def interrupt(args, sig: int, ready: str, *, cwd, stderr_tty: bool = True,
         for survivor in session_members(process.pid):
             os.kill(survivor, signal.SIGKILL)
         os.close(out_read)
-        os.close(master if stderr_tty else err_read)
+        os.close(err_read)

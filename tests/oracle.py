@@ -1,6 +1,6 @@
 """An independent, sequential pure-Python model of plan, write and verify.
 
-Written from the spec's algorithms (§3.3/§3.5, §4.2/§4.4, §5.2) and docs/extensions.md,
+Written from the algorithms of docs/format.md (§7, §8, §9) and docs/extensions.md,
 with Python ints and explicit loops, sharing no code with ``kvcanary`` (not even its
 splitmix64). Tests compare the vectorised reference (and later the kernels) against it.
 """
@@ -18,6 +18,7 @@ OUT_OF_TABLE = (1 << 63) - 1
 CHAIN, POSITION, REAL_KV = 1, 2, 4
 W_TOKEN, W_POSITION, V_TOKEN = 8, 16, 32
 OUT_OF_RANGE = 64
+SLOT_CONFLICT = 256
 
 
 def sm64(x: int) -> int:
@@ -138,11 +139,19 @@ def write(state: State, ctx, plan, input_ids, positions, out_cache_loc,
     active = max(0, min(int(plan.write_num_valid_reqs[0]), cap))
     if active <= 0 or offsets[active] <= 0:
         return
+    spans = [(r, offsets[r], offsets[r + 1]) for r in range(active)
+             if offsets[r + 1] > offsets[r]]
+    inside = [(r, start, end) for r, start, end in spans if start >= 0 and end <= len(ids)]
+    # kvcanary's order-free rules: every seed is read before anything is stored, and the
+    # last write to a slot in (request, entry) order keeps it.
+    seed_records = {seeds[r]: list(state.records[seeds[r]]) for r, _, _ in inside
+                    if 0 <= seeds[r] < n_slots}
+    keeper = {loc[i]: i for _, start, end in inside for i in range(start, end)
+              if 0 <= loc[i] < n_slots}
+    keeper_request = {loc[i]: r for r, start, end in inside for i in range(start, end)
+                      if 0 <= loc[i] < n_slots}
     written = 0
-    for r in range(active):
-        start, end = offsets[r], offsets[r + 1]
-        if end - start <= 0:
-            continue
+    for r, start, end in spans:
         if start < 0 or end > len(ids):
             state.pending.append([kind, -1, 0, 0, 0, 0, start if start < 0 else end,
                                   OUT_OF_RANGE])
@@ -152,9 +161,9 @@ def write(state: State, ctx, plan, input_ids, positions, out_cache_loc,
         if seed >= n_slots:
             state.pending.append([kind, seed, 0, 0, 0, 0, seed, OUT_OF_RANGE])
         elif seed >= 0:
-            running = link_of(state.records[seed])
+            running = link_of(seed_records[seed])
             do_pos = flag != 0
-            running_pos = state.records[seed][1]
+            running_pos = seed_records[seed][1]
         for i in range(start, end):
             slot = loc[i]
             if slot < 0:
@@ -172,8 +181,13 @@ def write(state: State, ctx, plan, input_ids, positions, out_cache_loc,
                 running_pos = pos
             if slot >= n_slots:
                 state.pending.append([kind, slot, pos, tok, tok, running, slot, OUT_OF_RANGE])
-            else:
+            elif (keeper_request[slot], keeper[slot]) == (r, i):
                 state.records[slot] = [tok, pos, s64(running), real_kv(sources, mode, slot)]
+                written += 1
+            else:
+                k = keeper[slot]
+                state.pending.append([kind, slot, pos, tok, ids[k], running, pos_[k],
+                                      SLOT_CONFLICT])
                 written += 1
             running = mix3(running, tok, pos)
     state.slot_counter += written

@@ -3,7 +3,6 @@ file (or nothing) and no temporary beside it."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import stat
@@ -11,14 +10,10 @@ import stat
 import numpy as np
 import pytest
 
+from interrupt_harness import snapshot
 from kvcanary.atomic import replacing
 from kvcanary.dump import DumpError, load, save
 from kvcanary.interrupt import Interrupted
-
-
-def snapshot(folder) -> dict:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def arrays(num_slots: int = 8, tag: str = "TAIL_K_FULL") -> dict:
@@ -120,3 +115,14 @@ def test_directory_dump_refuses_a_directory_with_other_files(tmp_path):
     assert load(empty).num_slots == 8
     assert sorted(os.listdir(tmp_path)) == ["empty", "file", "mine"]
 
+
+
+def test_a_link_is_followed_and_a_device_written_in_place(tmp_path):
+    real = tmp_path / "real.txt"
+    real.write_text("earlier")
+    (tmp_path / "link.txt").symlink_to(real)
+    with replacing(tmp_path / "link.txt") as temporary, open(temporary, "w") as handle:
+        handle.write("new")
+    assert (tmp_path / "link.txt").is_symlink() and real.read_text() == "new"
+    with replacing(os.devnull) as temporary:
+        assert temporary == os.devnull

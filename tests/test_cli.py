@@ -144,15 +144,20 @@ def _bad_dumps(tmp_path):
     good = dict(canary=np.zeros((8, 32), np.uint8), req_to_token=np.ones((2, 4), np.int32),
                 req_pool_indices=np.array([1], np.int64), seq_lens=np.array([2], np.int64))
     cases = {}
+
+    def raw(name, arrays):   # what save would refuse, written as an engine might by hand
+        path = str(tmp_path / name)
+        np.savez(path, kvcanary_dump_version=np.array(1), **arrays)
+        return path
+
     missing = dict(good)
     del missing["seq_lens"]
-    cases["missing"] = (save(str(tmp_path / "missing.npz"), **missing), "key seq_lens")
-    cases["dtype"] = (save(str(tmp_path / "dtype.npz"), **dict(good, seq_lens=np.array([2.0]))),
-                      "key seq_lens")
-    cases["shapes"] = (save(str(tmp_path / "shape.npz"),
-                            **dict(good, seq_lens=np.array([2, 2], np.int64))), "key seq_lens")
-    cases["negative"] = (save(str(tmp_path / "neg.npz"),
-                              **dict(good, seq_lens=np.array([-2], np.int64))), "key seq_lens")
+    cases["missing"] = (raw("missing.npz", missing), "key seq_lens")
+    cases["dtype"] = (raw("dtype.npz", dict(good, seq_lens=np.array([2.0]))), "key seq_lens")
+    cases["shapes"] = (raw("shape.npz", dict(good, seq_lens=np.array([2, 2], np.int64))),
+                       "key seq_lens")
+    cases["negative"] = (raw("neg.npz", dict(good, seq_lens=np.array([-2], np.int64))),
+                         "key seq_lens")
     truncated = save(str(tmp_path / "trunc.npz"), **good)
     data = Path(truncated).read_bytes()
     Path(truncated).write_bytes(data[: len(data) // 3])
@@ -259,5 +264,6 @@ def test_json_mode_reports_a_bad_dump_as_a_record(tmp_path):
     lines = result.output.splitlines()
     assert any(line.startswith("kvcanary: error: ") and "gone.npz" in line for line in lines)
     records = [json.loads(line) for line in lines if line.startswith("{")]
-    assert [r["record"] for r in records] == ["config", "summary", "error"]
-    assert records[-1]["dump"].endswith("gone.npz")
+    assert [r["record"] for r in records] == ["config", "summary", "error", "total"]
+    assert records[2]["dump"].endswith("gone.npz")
+    assert (records[3]["dumps"], records[3]["clean"], records[3]["errors"]) == (2, 1, 1)

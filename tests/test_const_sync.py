@@ -1,4 +1,4 @@
-"""kernels/kvc_consts.cuh and kvcanary/consts.py hold the same constants (spec §2.2)."""
+"""kernels/kvc_consts.cuh and kvcanary/consts.py hold the same constants (docs/format.md §1)."""
 
 import enum
 import pathlib
@@ -98,7 +98,8 @@ def test_upstream_enum_values():
     assert [int(F.VERIFY_CHAIN_HASH_MISMATCH), int(F.VERIFY_POSITION_MISMATCH),
             int(F.VERIFY_REAL_KV_HASH_MISMATCH), int(F.WRITE_TOKEN_MISMATCH),
             int(F.WRITE_POSITION_MISMATCH), int(F.VERIFY_TOKEN_MISMATCH)] == [1, 2, 4, 8, 16, 32]
-    assert [int(F.SLOT_OUT_OF_RANGE), int(F.SLOT_ZERO_IN_PREFIX)] == [64, 128]
+    assert [int(F.SLOT_OUT_OF_RANGE), int(F.SLOT_ZERO_IN_PREFIX),
+            int(F.WRITE_SLOT_CONFLICT)] == [64, 128, 256]
     assert {m.name: int(m) for m in consts.RealKvHashMode} == {"NONE": 0, "PARTIAL": 1, "ALL": 2}
     assert [m.name for m in sorted(consts.LaunchTag)] == [
         "HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL", "SWEEP_K_FULL",

@@ -26,8 +26,8 @@ def random_bytes(rows: int, width: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (rows, width), dtype=np.uint8)
 
 
-def source(tensor, page_size: int = 1) -> kc.RealKvSource:
-    return kc.RealKvSource(tensor, page_size=page_size, num_bytes_per_token=SLOT_BYTES,
+def source(tensor) -> kc.RealKvSource:
+    return kc.RealKvSource(tensor, page_size=1, num_bytes_per_token=SLOT_BYTES,
                            read_bytes=SLOT_BYTES)
 
 
@@ -85,18 +85,15 @@ def test_packed_fp4_rows_are_their_packed_bytes():
 
 def test_a_wide_row_stride_is_honoured_without_a_copy():
     # Each row of 32 bf16 values is followed by 16 foreign values (rows wider than the slots).
+    bfloat16 = pytest.importorskip("ml_dtypes").bfloat16
     raw = random_bytes(NUM_SLOTS, SLOT_BYTES + 32, seed=2)
     backing = raw.view(np.uint16)
     rows = backing[:, : SLOT_BYTES // 2]
-    for given in (DLPackOnly(rows), rows.view(_bfloat16())):
+    for given in (DLPackOnly(rows), rows.view(bfloat16)):
         src = source(given)
         assert src.row_stride_bytes == SLOT_BYTES + 32 and src.row_bytes == SLOT_BYTES
         assert np.shares_memory(src.tensor, raw)
         assert fingerprints(src) == fingerprints(source(raw[:, :SLOT_BYTES].copy()))
-
-
-def _bfloat16():
-    return pytest.importorskip("ml_dtypes").bfloat16
 
 
 def test_the_producers_buffer_outlives_its_array():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 import zipfile
@@ -161,19 +162,47 @@ def _expect(path, *fragments):
     return message
 
 
+def raw_save(path: str, **arrays) -> str:
+    """Write ``arrays`` (plus the version key) in the container the path names, without
+    save's checks: the file load must refuse."""
+    values = {"kvcanary_dump_version": np.array(1, np.int64)}
+    values.update({key: np.asarray(value) for key, value in arrays.items()})
+    if path.endswith(".npz"):
+        np.savez(path, **values)
+    elif path.endswith(".safetensors"):
+        from safetensors.numpy import save_file
+
+        save_file({k: v for k, v in values.items() if v.dtype.kind != "U"}, path,
+                  metadata={k: str(v) for k, v in values.items() if v.dtype.kind == "U"} or None)
+    else:
+        os.makedirs(path)
+        for key, value in values.items():
+            np.save(os.path.join(path, f"{key}.npy"), value)
+    return path
+
+
+def _refused_alike(path: str, arrays: dict, *fragments):
+    """save refuses ``arrays`` and writes nothing; load refuses the same arrays written
+    raw, with the same message: one checker."""
+    with pytest.raises(DumpError) as info:
+        save(path, **arrays)
+    assert not os.path.exists(path)
+    assert _expect(raw_save(path, **arrays), path, *fragments) == str(info.value)
+
+
 @pytest.mark.parametrize("key", ["canary", "req_to_token", "req_pool_indices", "seq_lens"])
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_missing_required_key(tmp_path, flavour, key):
     arrays = minimal()
     del arrays[key]
-    path = save(_path(tmp_path, flavour), **arrays)
-    _expect(path, path, f"key {key}", "missing")
+    _refused_alike(_path(tmp_path, flavour), arrays, f"key {key}", "missing")
 
 
 @pytest.mark.parametrize("key,value,fragment", [
     ("seq_lens", np.array([2.0]), "dtype must be int64"),
-    ("req_pool_indices", np.array([1], np.int32), "dtype must be int64"),
+    ("req_pool_indices", np.array([1], np.uint64), "dtype must be int64"),
     ("canary", np.zeros((8, 32), np.float32), "dtype must be uint8"),
+    ("canary", np.zeros((10, 31), np.uint8), "slot stride"),
     ("req_to_token", np.zeros((2, 4), np.float64), "dtype must be int32 or int64"),
     ("canary", np.zeros((8, 16), np.uint8), "slot stride"),
     ("canary", np.zeros((8, 3), np.int64), "dim 1 must be 4"),
@@ -187,31 +216,59 @@ def test_missing_required_key(tmp_path, flavour, key):
 def test_invalid_values(tmp_path, key, value, fragment):
     arrays = minimal()
     arrays[key] = value
-    path = save(str(tmp_path / "bad.npz"), **arrays)
-    _expect(path, "bad.npz", f"key {key}", fragment)
+    _refused_alike(str(tmp_path / "bad.npz"), arrays, f"key {key}", fragment)
 
 
 def test_inconsistent_optional_groups(tmp_path):
-    arrays = dict(minimal(), real_kv_0=np.zeros((8, 32), np.uint8))
-    _expect(save(str(tmp_path / "a.npz"), **arrays), "key real_kv_params", "missing")
-    arrays = dict(minimal(), real_kv_0=np.zeros((8, 32), np.uint8),
-                  real_kv_params=np.array([[1, 32, 32]]))
-    _expect(save(str(tmp_path / "b.npz"), **arrays), "key real_kv_hash_mode", "missing")
-    arrays = dict(minimal(), real_kv_0=np.zeros((4, 32), np.uint8),
-                  real_kv_params=np.array([[1, 32, 32]]), real_kv_hash_mode="all")
-    _expect(save(str(tmp_path / "c.npz"), **arrays), "key real_kv_0", "holds 4 slots")
-    arrays = dict(minimal(), real_kv_0=np.zeros((8, 32), np.uint8),
-                  real_kv_params=np.array([[1, 24, 16]]), real_kv_hash_mode="all")
-    _expect(save(str(tmp_path / "d.npz"), **arrays), "key real_kv_params[0]", "multiple of 16")
-    arrays = dict(minimal(), swa_window_size=4)
-    _expect(save(str(tmp_path / "e.npz"), **arrays), "key full_to_swa_index_mapping", "missing")
-    arrays = dict(minimal(), expected_tokens=np.zeros((2, 4), np.int32))
-    _expect(save(str(tmp_path / "f.npz"), **arrays), "key expected_tokens_valid_lens")
-    arrays = dict(minimal(), expected_tokens=np.zeros((3, 4), np.int32),
-                  expected_tokens_valid_lens=np.array([2], np.int64))
-    _expect(save(str(tmp_path / "h.npz"), **arrays), "key expected_tokens", "dim 0 must be 2")
-    arrays = dict(minimal(), sweep_slot_indices=np.array([1], np.int64))
-    _expect(save(str(tmp_path / "g.npz"), **arrays), "key sweep_prev_slot_indices", "missing")
+    cases = [
+        (dict(real_kv_0=np.zeros((8, 32), np.uint8)), "key real_kv_params", "missing"),
+        (dict(real_kv_0=np.zeros((8, 32), np.uint8), real_kv_params=np.array([[1, 32, 32]])),
+         "key real_kv_hash_mode", "missing"),
+        (dict(real_kv_0=np.zeros((8, 32), np.uint8), real_kv_params=np.array([[1, 32, 32]]),
+              real_kv_hash_mode="most"), "key real_kv_hash_mode", "must be none, partial or all"),
+        (dict(real_kv_0=np.zeros((4, 32), np.uint8), real_kv_params=np.array([[1, 32, 32]]),
+              real_kv_hash_mode="all"), "key real_kv_0", "holds 4 slots"),
+        (dict(real_kv_0=np.zeros((8, 32), np.uint8), real_kv_params=np.array([[1, 24, 16]]),
+              real_kv_hash_mode="all"), "key real_kv_params[0]", "multiple of 16"),
+        (dict(swa_window_size=4), "key full_to_swa_index_mapping", "missing"),
+        (dict(expected_tokens=np.zeros((2, 4), np.int32)), "key expected_tokens_valid_lens"),
+        (dict(expected_tokens=np.zeros((3, 4), np.int32),
+              expected_tokens_valid_lens=np.array([2], np.int64)),
+         "key expected_tokens", "dim 0 must be 2"),
+        (dict(sweep_slot_indices=np.array([1], np.int64)), "key sweep_prev_slot_indices",
+         "missing"),
+    ]
+    for index, (extra, *fragments) in enumerate(cases):
+        _refused_alike(str(tmp_path / f"{index}.npz"), dict(minimal(), **extra), *fragments)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_narrower_integers_are_widened_alike_on_save_and_load(tmp_path, flavour):
+    narrow = dict(minimal(), req_pool_indices=np.array([1], np.int32),
+                  seq_lens=np.array([2], np.uint16),
+                  sweep_slot_indices=np.array([3], np.int32),
+                  sweep_prev_slot_indices=np.array([-1], np.int8),
+                  sweep_positions=np.array([0], np.uint32),
+                  real_kv_0=np.zeros((8, 32), np.uint8),
+                  real_kv_params=np.array([[1, 32, 32]], np.int32), real_kv_hash_mode="none")
+    saved = load(save(_path(tmp_path, flavour, "saved"), **narrow))
+    raw = load(raw_save(_path(tmp_path, flavour, "raw"), **narrow))
+    for d in (saved, raw):
+        for key in ("req_pool_indices", "seq_lens", "sweep_slot_indices",
+                    "sweep_prev_slot_indices", "sweep_positions", "real_kv_params"):
+            value = getattr(d, key)
+            assert value.dtype == np.int64, key
+            np.testing.assert_array_equal(value, narrow[key])
+    # What a written file holds is already int64: the widening happened before writing.
+    if flavour == "dir":
+        assert np.load(tmp_path / "saved" / "seq_lens.npy").dtype == np.int64
+
+
+def test_save_refuses_an_unreadable_dump_before_writing_anything(tmp_path):
+    directory = tmp_path / "out"
+    with pytest.raises(DumpError, match=r"out: key launch_tag: unknown launch tag"):
+        save(str(directory), **dict(minimal(), launch_tag="nope"))
+    assert not directory.exists()
 
 
 def test_object_arrays_are_refused(tmp_path):
@@ -248,7 +305,12 @@ def test_not_a_dump(tmp_path):
     _expect(str(tmp_path / "junk.npz"), "junk.npz")
     with zipfile.ZipFile(tmp_path / "empty.npz", "w"):
         pass
-    _expect(str(tmp_path / "empty.npz"), "key kvcanary_dump_version", "missing")
+    _expect(str(tmp_path / "empty.npz"), "empty.npz: not a kvcanary dump: it lacks the required "
+            "key(s) kvcanary_dump_version, canary, req_to_token, req_pool_indices, seq_lens")
+    (tmp_path / "photos").mkdir()
+    np.save(tmp_path / "photos" / "canary.npy", np.zeros((8, 32), np.uint8))
+    _expect(str(tmp_path / "photos"), "not a kvcanary dump", "kvcanary_dump_version, "
+            "req_to_token, req_pool_indices, seq_lens")
 
 
 def test_directory_dump_replaces_an_earlier_dump_only(tmp_path):
@@ -263,3 +325,25 @@ def test_directory_dump_replaces_an_earlier_dump_only(tmp_path):
     with pytest.raises(DumpError, match="not a kvcanary dump"):
         save(str(other), **minimal())
     assert (other / "mine.npy").exists()
+
+
+def test_save_and_load_say_what_they_take_and_refuse():
+    import kvcanary.dump
+
+    for function, words in ((kvcanary.dump.save, ["__dlpack__", "cupy", "Refuses", "DumpError",
+                                                 "widened", "docs/dump-format.md"]),
+                            (kvcanary.dump.load, ["Refuses", "DumpError", "not a kvcanary dump",
+                                                 "Never writes"])):
+        for word in words:
+            assert word in function.__doc__, (function.__name__, word)
+
+
+def test_npy_format_3_is_refused_by_name(tmp_path):
+    """Only numpy.lib.format's public header readers are used: 1.0 and 2.0."""
+    from numpy.lib import format as npy_format
+
+    directory = tmp_path / "d"
+    save(str(directory), **minimal())
+    with open(directory / "seq_lens.npy", "wb") as handle:
+        npy_format.write_array(handle, np.array([2], np.int64), version=(3, 0))
+    _expect(str(directory), "key seq_lens", ".npy format version 3.0 is not supported")

@@ -1,5 +1,5 @@
-"""Validation errors of spec §7 that apply to this API, with upstream's texts (numpy dtype
-names), plus the source-count bound of DESIGN.md."""
+"""Argument errors (docs/format.md §13) that apply to this API, with upstream's texts (numpy dtype
+names), plus the source-count bound (docs/format.md §5)."""
 
 import re
 

@@ -1,4 +1,4 @@
-"""Hash pins and golden values: spec §2.3, §8.1 and Appendix A, through the public API."""
+"""Hash pins and golden values: docs/format.md §3 and upstream's pinned vectors, through the public API."""
 
 import numpy as np
 import pytest
@@ -86,7 +86,7 @@ def test_signed_views():
 
 
 def test_legacy_xor_chain_100_steps_is_not_the_newest_chain():
-    # testdata/chain_100_steps.json (legacy XOR chain), spec §8.1: first, second, last
+    # testdata/chain_100_steps.json (legacy XOR chain), upstream's pins: first, second, last
     prev = H0
     chain = [prev]
     for i in range(99):

@@ -5,7 +5,6 @@ is half-written (the previous file stays, or none appears)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import signal
@@ -16,13 +15,14 @@ import pytest
 
 import kvcanary as kc
 from builders import linear_req_to_token, make_context, run_plan
-from interrupt_harness import interrupt
+from interrupt_harness import interrupt, snapshot
 from kvcanary.dump import save
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="process groups and /proc: Linux only")
 
 STOP_LIMIT_S = 2.0
+PROGRESS = r": [1-9]\d*/\d+ \("   # a progress line past its start: the command is at work
 SIGNALS = [pytest.param(signal.SIGINT, id="SIGINT"), pytest.param(signal.SIGTERM, id="SIGTERM")]
 
 
@@ -41,10 +41,10 @@ def tiled_dump(path, requests: int, length: int) -> int:
     return requests * length
 
 
-def snapshot(folder) -> dict:
-    """Every file under ``folder`` with a digest of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+def earlier_dump(path) -> None:
+    """A small dump an interrupted command must leave as it is."""
+    save(path, canary=np.zeros((4, 32), np.uint8), req_to_token=np.zeros((2, 1), np.int32),
+         req_pool_indices=np.zeros(0, np.int64), seq_lens=np.zeros(0, np.int64))
 
 
 def assert_clean_stop(stopped, sig, line_pattern: str) -> str:
@@ -82,10 +82,10 @@ def test_campaign(sig, tmp_path):
         args += ["--out", "report.md"]
         (tmp_path / "report.md").write_text("an earlier report\n")
     before = snapshot(tmp_path)
-    stopped = interrupt(args, sig, r"campaign: clean runs: [1-9]", cwd=tmp_path,
+    stopped = interrupt(args, sig, PROGRESS, cwd=tmp_path,
                         min_processes=3)
     assert_clean_stop(stopped, sig, r"kvcanary: campaign interrupted by SIG "
-                                    r"\((clean runs|faults injected): \d+/\d+\); "
+                                    r"\([^()]+: \d+/\d+\); "
                       + ("the report" if sig == signal.SIGINT else "report.md")
                       + " not written")
     assert snapshot(tmp_path) == before
@@ -106,15 +106,16 @@ def test_audit_jobs(sig, dumps, tmp_path):
                          *[made["mid"]] * count], sig, r'"record": "summary"', cwd=tmp_path,
                         stderr_tty=False, ready_on="stdout", min_processes=3)
     assert_clean_stop(stopped, sig, rf"kvcanary: audit interrupted by SIG "
-                                    rf"\(audited dumps: \d+/{count}\)")
+                                    rf"\([^()]+: \d+/{count}\)")
     assert stopped.stderr.endswith("\n") and stopped.stderr.count("\n") == 1
     records = json_records(stopped.stdout)
     summaries = sum(r["record"] == "summary" for r in records)
     assert 0 < summaries < count
-    assert records[-1] == {"record": "interrupted", "command": "audit",
-                           "signal": signal.Signals(sig).name, "at": "audited dumps",
-                           "done": summaries, "total": count, "dumps_reported": summaries,
-                           "dumps": count}
+    last = records[-1]
+    assert last.pop("at")   # the progress bar's label
+    assert last == {"record": "interrupted", "command": "audit",
+                    "signal": signal.Signals(sig).name, "done": summaries, "total": count,
+                    "dumps_reported": summaries, "dumps": count}
     assert all(r["record"] != "interrupted" for r in records[:-1])
 
 
@@ -125,9 +126,9 @@ def test_audit_single_dump(sig, dumps, tmp_path):
     args = ["audit", "--backend", "numpy", made["huge"]]
     if sig == signal.SIGTERM:
         args += ["--format", "json"]
-    stopped = interrupt(args, sig, r"entries: [1-9]", cwd=tmp_path)
+    stopped = interrupt(args, sig, PROGRESS, cwd=tmp_path)
     assert_clean_stop(stopped, sig, rf"kvcanary: audit interrupted by SIG "
-                                    rf"\(auditing .*huge: entries: \d+/{entries}\)")
+                                    rf"\([^()]*huge[^()]*: \d+/{entries}\)")
     if sig == signal.SIGTERM:
         (record,) = json_records(stopped.stdout)
         assert record["record"] == "interrupted" and record["dumps_reported"] == 0
@@ -149,13 +150,26 @@ SYNTH = ["--requests", 2000, "--slots", 65536, "--max-running", 64, "--verify-ev
 def test_synth(sig, out, earlier, tmp_path):
     pytest.importorskip("safetensors")
     if earlier:
-        save(tmp_path / out, canary=np.zeros((4, 32), np.uint8),
-             req_to_token=np.zeros((2, 1), np.int32), req_pool_indices=np.zeros(0, np.int64),
-             seq_lens=np.zeros(0, np.int64))
+        earlier_dump(tmp_path / out)
     before = snapshot(tmp_path)
-    stopped = interrupt(["synth", out, *SYNTH], sig, r"requests admitted: [1-9]", cwd=tmp_path)
+    force = ["--force"] if earlier else []
+    stopped = interrupt(["synth", out, *SYNTH, *force], sig,
+                        PROGRESS, cwd=tmp_path)
     assert_clean_stop(stopped, sig, rf"kvcanary: synth interrupted by SIG "
-                                    rf"\(requests admitted: \d+/2000\); {out} not written")
+                                    rf"\([^()]+: \d+/2000\); {out} not written")
     assert snapshot(tmp_path) == before
     assert stopped.stdout == ""
 
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_demo(sig, tmp_path):
+    """About a second of work: the signal lands while it synthesises its workload."""
+    (tmp_path / "kept").mkdir()
+    earlier_dump(tmp_path / "kept" / "clean.npz")
+    before = snapshot(tmp_path)
+    stopped = interrupt(["demo", "--backend", "numpy", "--keep", "kept"], sig,
+                        PROGRESS, cwd=tmp_path)
+    assert_clean_stop(stopped, sig, r"kvcanary: demo interrupted by SIG "
+                                    r"\(synth: [^()]+: \d+/48\)")
+    assert snapshot(tmp_path) == before

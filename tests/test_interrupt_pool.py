@@ -30,6 +30,18 @@ def test_signals_raise_once_then_restore():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_a_signal_ignored_from_the_start_stays_ignored():
+    """``nohup`` and background jobs of a shell start with SIGINT ignored."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with signals_raise():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def _pid_after(seconds: float) -> int:
     time.sleep(seconds)
     return os.getpid()
@@ -43,11 +55,12 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_pool_kills_its_workers_when_the_caller_stops_early(start_method):
+def test_pool_kills_its_workers_when_the_caller_stops_early():
+    """spawn: this process may hold threads (JAX) that make fork unsafe; the CLI tests run
+    the campaign's forked workers in a process of their own."""
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="caller stops"):
-        with WorkerPool(2, start_method=start_method) as pool:
+        with WorkerPool(2, start_method="spawn") as pool:
             results = pool.map(_pid_after, [0.0, 0.0, 60.0, 60.0, 60.0])
             workers = {next(results), next(results)}
             raise RuntimeError("caller stops")
@@ -64,3 +77,12 @@ def test_pool_workers_ignore_sigint_and_report_a_dead_worker():
     with WorkerPool(2, start_method="spawn") as pool:
         (outcome,) = pool.map(os._exit, [3], failed=lambda task, exc: ("failed", task))
     assert outcome == ("failed", 3)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_pool_reports_a_task_that_raised_in_order(jobs):
+    with WorkerPool(jobs, start_method="spawn") as pool:
+        outcomes = list(pool.map(int, ["1", "x", "3"], failed=lambda task, exc: ("failed", task)))
+    assert outcomes == [1, ("failed", "x"), 3]
+    with pytest.raises(ValueError), WorkerPool(jobs, start_method="spawn") as pool:
+        list(pool.map(int, ["x"]))

@@ -117,8 +117,8 @@ def test_swa_lut_index_outside_lut_is_marked_by_the_kernel(cpu_kernels, table_dt
         kc.plan(verify_plan=actual[0], write_plan=actual[1], full_to_swa_index_mapping=lut,
                 **args)
     for e, a in zip(expected, actual):
-        for name, value in vars(e).items():
-            np.testing.assert_array_equal(getattr(a, name), value, err_msg=name)
+        for name, value in e.arrays().items():
+            np.testing.assert_array_equal(a.arrays()[name], value, err_msg=name)
     assert MARK in actual[0].verify_slot_indices.tolist()
     assert actual[1].write_seed_slot_indices[1] == MARK
 

@@ -1,4 +1,4 @@
-"""Every verify scenario of tests/test_reference_verify.py (spec §8) again, with kvcanary's numpy
+"""Every verify scenario of tests/test_reference_verify.py again, with kvcanary's numpy
 dispatch running the CUDA kernel source compiled for the CPU next to the reference and
 comparing bytes after every launch (kernel_harness.Differential). The scenarios' own
 assertions also run, now on the kernels' results."""

@@ -1,4 +1,4 @@
-"""Every write scenario of tests/test_reference_write.py (spec §8) again, with kvcanary's numpy
+"""Every write scenario of tests/test_reference_write.py again, with kvcanary's numpy
 dispatch running the CUDA kernel source compiled for the CPU next to the reference and
 comparing bytes after every launch (kernel_harness.Differential). The scenarios' own
 assertions also run, now on the kernels' results."""

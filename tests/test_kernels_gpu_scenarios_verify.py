@@ -1,4 +1,4 @@
-"""Every verify scenario of tests/test_reference_verify.py (spec §8) on the GPU: kvcanary's numpy
+"""Every verify scenario of tests/test_reference_verify.py on the GPU: kvcanary's numpy
 dispatch runs the CUDA kernels (through cupy) next to the reference and compares bytes
 after every launch. Skipped, with the reason, when cupy sees no device."""
 

@@ -1,4 +1,4 @@
-"""Every write scenario of tests/test_reference_write.py (spec §8) on the GPU: kvcanary's numpy
+"""Every write scenario of tests/test_reference_write.py on the GPU: kvcanary's numpy
 dispatch runs the CUDA kernels (through cupy) next to the reference and compares bytes
 after every launch. Skipped, with the reason, when cupy sees no device."""
 

@@ -148,7 +148,7 @@ def test_plan_equals_oracle(seed):
 
 
 def test_oracle_itself_pins_the_golden_chain():
-    """The oracle is independent of kvcanary; pin it to the spec's golden values too."""
+    """The oracle is independent of kvcanary; pin it to upstream's golden values too."""
     assert oracle.HEAD == 0xDE7FAE23A9A1B716
     assert oracle.mix3(oracle.HEAD, -1, 0) == 0xE5A9A05404A720CF
     h, out = oracle.HEAD, []

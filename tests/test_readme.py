@@ -25,4 +25,4 @@ def test_readme_library_example_reports_the_planted_remap():
 def test_readme_names_both_commands():
     text = README.read_text(encoding="utf-8")
     assert "pip install . && kvcanary demo" in text
-    assert "pip install -e '.[test]' && python -m pytest -q" in text
+    assert "pip install -e '.[test]' && python -m pytest -q -rs" in text

@@ -1,4 +1,7 @@
-"""The real-KV fingerprint (spec §2.6): layouts, modes and widths, through kc.write."""
+"""The real-KV fingerprint (docs/format.md §5): layouts, modes and widths, through kc.write."""
+
+import copy
+import pickle
 
 import numpy as np
 import pytest
@@ -89,3 +92,24 @@ def test_many_slots_cross_the_gather_chunk():
     got = fields(ctx.canary_buf)[:, 3]
     for s in (0, 1, 65_535, 65_536, 69_999):
         assert int(got[s]) == oracle.real_kv([src], int(ALL), s)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float16, np.int32, np.float32])
+@pytest.mark.parametrize("row_gap", [0, 32])
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))],
+                         ids=["deepcopy", "pickle"])
+def test_a_copied_source_hashes_what_its_copied_producer_holds(dtype, row_gap, copy_of):
+    # An engine state copied whole (producer tensor and source together) must keep them one
+    # buffer: the bytes written through the producer's copy are the bytes the copy hashes.
+    backing = np.random.default_rng(4).integers(0, 256, (8, 64 + row_gap), dtype=np.uint8)
+    kv = backing.view(dtype)[:, : 64 // np.dtype(dtype).itemsize]
+    src = kc.RealKvSource(kv, page_size=1, num_bytes_per_token=64, read_bytes=64)
+    kv_copy, src_copy = copy_of((kv, src))
+    assert np.shares_memory(src_copy.tensor, kv_copy)
+    assert not np.shares_memory(src_copy.tensor, backing)
+    before = stored_hashes([src_copy], ALL, [3], 8)
+    kv_copy[3] = 0
+    fresh = kc.RealKvSource(kv_copy, page_size=1, num_bytes_per_token=64, read_bytes=64)
+    assert stored_hashes([src_copy], ALL, [3], 8) == stored_hashes([fresh], ALL, [3], 8)
+    assert stored_hashes([src_copy], ALL, [3], 8) != before
+    assert stored_hashes([src], ALL, [3], 8) == before  # the original keeps its own bytes

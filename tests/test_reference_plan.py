@@ -1,4 +1,4 @@
-"""Upstream's plan scenarios (spec §8.4), through kc.plan on numpy arrays."""
+"""Upstream's plan scenarios (docs/format.md §7), through kc.plan on numpy arrays."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Upstream's hand scenarios for verify (spec §8.2), through kc.verify on numpy arrays."""
+"""Upstream's hand scenarios for verify (docs/format.md §9), through kc.verify on numpy arrays."""
 
 import numpy as np
 import pytest

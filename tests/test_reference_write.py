@@ -1,4 +1,4 @@
-"""Upstream's hand scenarios for write (spec §8.3), through kc.write on numpy arrays."""
+"""Upstream's hand scenarios for write (docs/format.md §8), through kc.write on numpy arrays."""
 
 import numpy as np
 import pytest
@@ -211,19 +211,50 @@ def test_batch_8_then_3_leaves_earlier_slots():
     assert [int(v) for v in fields(ctx.canary_buf)[1:4, 0]] == [50, 51, 52]
 
 
-def test_duplicate_slot_last_write_wins():
+def test_duplicate_slot_last_write_wins_and_the_other_write_is_a_conflict():
     ctx = make_context()
     write_tokens(ctx, [3, 3], [1, 2], [0, 1])
     assert [int(v) for v in fields(ctx.canary_buf)[3, :3]] == [
         2, 1, signed(kc.splitmix64_mix3(H0, 1, 0))]
+    # The losing write: (tag, slot, its position, its token, the kept token, its
+    # prev_hash, the kept position, WRITE_SLOT_CONFLICT).
+    assert ring_rows(ctx) == [(0, 3, 0, 1, 2, signed(H0), 1, int(F.WRITE_SLOT_CONFLICT))]
+    assert counters(ctx) == (1, 2, 1)
 
 
-def test_seed_written_earlier_in_same_launch_follows_request_order():
+def test_conflict_across_requests_keeps_the_later_request():
     ctx = make_context()
+    plan = make_write_plan([1, 1, 1], [-1, -1, -1])
+    kc.write(ctx, plan, input_ids=i64([10, 11, 12]), positions=i64([0, 0, 0]),
+             out_cache_loc=i64([6, 7, 6]))
+    assert [int(v) for v in fields(ctx.canary_buf)[6, :2]] == [12, 0]
+    assert ring_rows(ctx) == [(0, 6, 0, 10, 12, signed(H0), 0, int(F.WRITE_SLOT_CONFLICT))]
+
+
+def test_three_writers_of_one_slot_are_two_conflicts():
+    ctx = make_context()
+    write_tokens(ctx, [5, 5, 5], [1, 2, 3], [0, 1, 2])
+    assert [row[1:5] + row[6:] for row in ring_rows(ctx)] == [
+        (5, 0, 1, 3, 2, int(F.WRITE_SLOT_CONFLICT)), (5, 1, 2, 3, 2, int(F.WRITE_SLOT_CONFLICT))]
+    assert int(fields(ctx.canary_buf)[5, 0]) == 3
+
+
+def test_no_conflict_without_a_shared_slot():
+    ctx = make_context()
+    write_tokens(ctx, [3, 4, -1, -1], [1, 2, 3, 4], [0, 1, 2, 3])
+    assert ring_rows(ctx) == []
+
+
+def test_seeds_are_read_before_the_launch_stores():
+    # Request 1's seed is slot 4, which request 0 writes in the same launch: the seed is
+    # the record slot 4 held before the launch, whatever order the requests run in.
+    ctx = make_context()
+    stamp(ctx.canary_buf, 4, 100, 0, H0)
     plan = make_write_plan([1, 1], [-1, 4])
     kc.write(ctx, plan, input_ids=i64([10, 11]), positions=i64([0, 1]),
              out_cache_loc=i64([4, 5]))
-    assert prev_hashes(ctx, [5]) == [kc.splitmix64_mix3(H0, 10, 0)]
+    assert prev_hashes(ctx, [5]) == [kc.splitmix64_mix3(H0, 100, 0)]
+    assert prev_hashes(ctx, [4]) == [H0]
     assert counters(ctx) == (0, 2, 1)
 
 

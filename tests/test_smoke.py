@@ -26,7 +26,8 @@ def test_smoke_without_gpu_exits_2_with_one_sentence():
     result = CliRunner().invoke(main, ["smoke", "--max-real-kv-sources", "4"])
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("kvcanary smoke needs a CUDA GPU with cupy")
+    assert len(lines) == 1
+    assert lines[0].startswith("kvcanary: error: smoke needs a CUDA GPU with cupy")
     assert "Traceback" not in result.output
 
 

@@ -3,6 +3,7 @@ cache behave like a server's, and every injected fault is detected with the expe
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import numpy as np
@@ -95,6 +96,18 @@ def test_every_fault_kind_detected_with_expected_bits(tmp_path, options, kind):
         assert outcome.visible
         assert outcome.detected, outcome
         assert outcome.fired_bits & int(EXPECTED_BITS[kind]) == int(EXPECTED_BITS[kind])
+
+
+@pytest.mark.parametrize("mode", ["partial", "all"])
+def test_stale_reuse_in_a_copied_run_keeps_the_real_kv_hash_true(tmp_path, mode):
+    # The campaign injects into a deep copy of a finished run. A stale reuse rewrites the
+    # slot's KV and its record as another sequence's write would, so the record's real-KV
+    # hash matches the KV there: only the position (and chain) checks may fire.
+    synthesis = copy.deepcopy(run(seed=5, sources=4, mode=mode))
+    synthesis.inject("stale-reuse", 2)
+    result = audit(roundtrip(tmp_path, synthesis), backend="numpy")
+    assert result.counts_by_reason.get("verify_position") == 2
+    assert "verify_real_kv_hash" not in result.counts_by_reason, result.counts_by_reason
 
 
 def test_real_kv_byte_visibility_follows_the_mode(tmp_path):

@@ -1,4 +1,4 @@
-"""Violation rows decode into kc.Violation and render upstream's text (spec §6.1, §6.5)."""
+"""Violation rows decode into kc.Violation and render upstream's text (docs/format.md §10, §11)."""
 
 import json
 

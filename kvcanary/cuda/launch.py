@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 
+from .. import arrays as A
 from ..consts import RealKvHashMode
 from ..kernel_source import kernel_dir
 from ..types import check_source_bound as check_bound
@@ -23,7 +24,8 @@ from ..types import check_source_count
 # Kernel source file and entry points of each launch.
 KERNEL_FILES = {
     "verify": ("kvc_verify.cu", ("kvc_verify",)),
-    "write": ("kvc_write.cu", ("kvc_write",)),
+    "write": ("kvc_write.cu", ("kvc_write_seeds", "kvc_write_claims", "kvc_write",
+                               "kvc_write_real_kv")),
     "plan": ("kvc_plan.cu", ("kvc_plan_rows", "kvc_plan_offsets", "kvc_plan_entries")),
 }
 CXX_STANDARD = "c++17"
@@ -110,26 +112,31 @@ def array_pointer(array) -> int:
     return int(array.data.ptr)
 
 
-def pack_sources(context) -> np.void:
-    """The by-value descriptor struct of a launch. Without hashing (mode NONE or no
-    sources) num_sources is 0 and mode NONE, so no descriptor is ever dereferenced."""
-    dtype = sources_dtype(context.max_real_kv_sources)
-    packed = np.zeros((), dtype=dtype)
+def pack_sources(context) -> np.ndarray:
+    """The by-value descriptor struct of a launch, as a read-only 0-d structured array:
+    CuPy passes a one-element numpy array by value on every version (a ``numpy.void``
+    scalar is refused by 13.x and by 14.0 above 64 bytes). Without hashing (mode NONE or
+    no sources) num_sources is 0 and mode NONE, so no descriptor is ever dereferenced.
+    Packed once per distinct set of descriptors: the launch path runs every step."""
     sources = context.real_kv_sources
     check_source_count(len(sources), context.max_real_kv_sources)
-    if context.hashing:
-        for index, source in enumerate(sources):
-            entry = packed["src"][index]
-            entry["ptr"] = array_pointer(source.tensor)
-            entry["row_stride_bytes"] = source.row_stride_bytes
-            entry["page_size"] = source.page_size
-            entry["num_bytes_per_token"] = source.num_bytes_per_token
-            entry["read_bytes"] = source.read_bytes
-        packed["num_sources"] = len(sources)
-        packed["mode"] = int(context.real_kv_hash_mode)
-    else:
-        packed["mode"] = int(RealKvHashMode.NONE)
-    return packed[()]
+    if not context.hashing:
+        return _packed_sources(context.max_real_kv_sources, int(RealKvHashMode.NONE), ())
+    descriptors = tuple((array_pointer(s.tensor), s.row_stride_bytes, s.page_size,
+                         s.num_bytes_per_token, s.read_bytes) for s in sources)
+    return _packed_sources(context.max_real_kv_sources, int(context.real_kv_hash_mode),
+                           descriptors)
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_sources(bound: int, mode: int, descriptors: tuple) -> np.ndarray:
+    packed = np.zeros((), dtype=sources_dtype(bound))
+    for index, descriptor in enumerate(descriptors):
+        packed["src"][index] = descriptor
+    packed["num_sources"] = len(descriptors)
+    packed["mode"] = mode
+    packed.flags.writeable = False
+    return packed
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,12 +174,15 @@ def write_geometry(write_req_capacity: int,
 _NULL = np.uint64(0)
 
 
-def _i64(value) -> np.int64:
-    return np.int64(int(value))
+# numpy scalars are immutable, so the few distinct sizes a launch passes are made once.
+@functools.lru_cache(maxsize=4096)
+def _i64(value: int) -> np.int64:
+    return np.int64(value)
 
 
-def _i32(value) -> np.int32:
-    return np.int32(int(value))
+@functools.lru_cache(maxsize=64)
+def _i32(value: int) -> np.int32:
+    return np.int32(value)
 
 
 def _or_null(array):
@@ -185,9 +195,8 @@ def _ring_args(context) -> list:
 
 
 def verify_args(context, plan) -> list:
-    buf = context.canary_buf
     return [
-        buf, _i64(buf.shape[0]), _i64(buf.shape[1]),
+        *_buffer_args(context),
         plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
         plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable,
         _i64(plan.verify_capacity), _i64(context.kernel_kind),
@@ -197,11 +206,33 @@ def verify_args(context, plan) -> list:
     ]
 
 
+def _buffer_args(context) -> list:
+    buf = context.canary_buf
+    return [buf, _i64(buf.shape[0]), _i64(buf.shape[1])]
+
+
+def _batch_args(plan, out_cache_loc) -> list:
+    return [plan.write_offsets, plan.write_num_valid_reqs, _i64(plan.write_req_capacity),
+            out_cache_loc, _i64(out_cache_loc.shape[0])]
+
+
+def write_seeds_args(context, plan, *, out_cache_loc) -> list:
+    return [
+        *_buffer_args(context),
+        plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs,
+        _i64(plan.write_req_capacity), out_cache_loc, _i64(out_cache_loc.shape[0]),
+        plan.seed_links_scratch, plan.seed_positions_scratch,
+    ]
+
+
+def write_claims_args(context, plan, *, out_cache_loc) -> list:
+    return [*_buffer_args(context), *_batch_args(plan, out_cache_loc)]
+
+
 def write_args(context, plan, *, input_ids, positions, out_cache_loc,
                expected_input_tokens=None, expected_input_positions=None) -> list:
-    buf = context.canary_buf
     return [
-        buf, _i64(buf.shape[0]), _i64(buf.shape[1]),
+        *_buffer_args(context),
         plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs,
         _i64(plan.write_req_capacity),
         input_ids, positions, out_cache_loc, _i64(input_ids.shape[0]),
@@ -210,8 +241,12 @@ def write_args(context, plan, *, input_ids, positions, out_cache_loc,
         *_ring_args(context),
         context.slot_run_counter, context.kernel_run_counter,
         context.enable_chain_position_assert,
-        pack_sources(context),
+        plan.seed_links_scratch, plan.seed_positions_scratch,
     ]
+
+
+def write_real_kv_args(context, plan, *, out_cache_loc) -> list:
+    return [*_buffer_args(context), *_batch_args(plan, out_cache_loc), pack_sources(context)]
 
 
 def _table_args(table) -> list:
@@ -267,12 +302,11 @@ class Launcher:
     launch sequence itself is what the CPU tests exercise."""
 
     def __init__(self, run, multiprocessor_count: int, *, threads_per_block: int = THREADS_PER_BLOCK,
-                 write_threads_per_block: int = WRITE_THREADS_PER_BLOCK, zeros=None):
+                 write_threads_per_block: int = WRITE_THREADS_PER_BLOCK):
         self._run = run
         self.multiprocessor_count = int(multiprocessor_count)
         self.threads_per_block = threads_per_block
         self.write_threads_per_block = write_threads_per_block
-        self._zeros = zeros
 
     def _grid(self, work_items: int) -> tuple[int, int]:
         return grid_stride_geometry(work_items, self.multiprocessor_count, self.threads_per_block)
@@ -283,18 +317,28 @@ class Launcher:
 
     def write(self, context, plan, *, input_ids, positions, out_cache_loc,
               expected_input_tokens=None, expected_input_positions=None) -> None:
-        args = write_args(context, plan, input_ids=input_ids, positions=positions,
-                          out_cache_loc=out_cache_loc, expected_input_tokens=expected_input_tokens,
-                          expected_input_positions=expected_input_positions)
-        self._run(("write", context.max_real_kv_sources, False), "kvc_write",
-                  write_geometry(plan.write_req_capacity, self.write_threads_per_block), args)
+        # Four launches, so that the result does not depend on thread order: seeds read
+        # (and claim words cleared) before any slot is claimed, claims complete before any
+        # record is stored, the real-KV hash stored last over the claim word.
+        key = ("write", context.max_real_kv_sources, False)
+        grid = write_geometry(plan.write_req_capacity, self.write_threads_per_block)
+        self._run(key, "kvc_write_seeds", grid,
+                  write_seeds_args(context, plan, out_cache_loc=out_cache_loc))
+        self._run(key, "kvc_write_claims", grid,
+                  write_claims_args(context, plan, out_cache_loc=out_cache_loc))
+        self._run(key, "kvc_write", grid, write_args(
+            context, plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+            expected_input_tokens=expected_input_tokens,
+            expected_input_positions=expected_input_positions))
+        self._run(key, "kvc_write_real_kv", grid,
+                  write_real_kv_args(context, plan, out_cache_loc=out_cache_loc))
 
     def plan(self, *, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify_plan,
              write_plan, swa_window_size=0, full_to_swa_index_mapping=None,
              req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
              kv_token_id_vs_position_offset=0) -> None:
         bs = int(req_pool_indices.shape[0])
-        scratch = self._zeros(bs + 1, like=req_pool_indices)
+        scratch = write_plan.plan_offsets_scratch  # bs + 1 <= write_req_capacity + 1 entries
         key = ("plan", None, False)
         common = dict(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
                       req_to_token=req_to_token, full_to_swa_index_mapping=full_to_swa_index_mapping,
@@ -331,17 +375,16 @@ def module(kernel: str, max_real_kv_sources: int | None, check_expected_token: b
     return cupy.RawModule(code=kernel_source(kernel), options=options)
 
 
+@functools.lru_cache(maxsize=None)
+def kernel_function(kernel: str, max_real_kv_sources: int | None, check_expected_token: bool,
+                    name: str):
+    """One entry point of a module, looked up once (cupy loads it per device itself)."""
+    return module(kernel, max_real_kv_sources, check_expected_token).get_function(name)
+
+
 def _gpu_run(key, name, geometry, args) -> None:
-    kernel, bound, check = key
-    function = module(kernel, bound, check).get_function(name)
     blocks, threads = geometry
-    function((blocks,), (threads,), tuple(args))
-
-
-def _gpu_zeros(n, like):
-    import cupy
-
-    return cupy.zeros(n, dtype=cupy.int64)
+    kernel_function(*key, name)((blocks,), (threads,), tuple(args))
 
 
 @functools.lru_cache(maxsize=None)
@@ -349,25 +392,73 @@ def _launcher(device_id: int) -> Launcher:
     import cupy
 
     count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-    return Launcher(_gpu_run, count, zeros=_gpu_zeros)
+    return Launcher(_gpu_run, count)
 
 
-def _current():
+def launch_device(arrays, named) -> int:
+    """The one device every array of a launch lives on (``arrays``: cupy arrays or None);
+    when they differ, an error naming two of them from ``named()`` (name -> array, the
+    canary buffer or the plan output first)."""
+    devices = {array.data.device_id for array in arrays if array is not None}
+    if len(devices) == 1:
+        return devices.pop()
+    where = [(name, array.data.device_id) for name, array in named().items() if array is not None]
+    first_name, device = where[0]
+    name, here = next((name, here) for name, here in where if here != device)
+    raise ValueError(
+        f"kv-canary: {name} is on GPU {here} but {first_name} is on GPU {device}; "
+        "every array of a launch must live on the canary buffer's device")
+
+
+def _context_arrays(context) -> tuple:
+    log = context.violation_log
+    return (context.canary_buf, log.ring, log.write_index, context.slot_run_counter,
+            context.kernel_run_counter, context.enable_chain_position_assert,
+            *[source.tensor for source in context.real_kv_sources])
+
+
+def _context_names(context) -> dict:
+    names = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
+             "kernel_run_counter", "enable_chain_position_assert")
+    names += tuple(f"real_kv_sources[{i}].tensor" for i in range(len(context.real_kv_sources)))
+    return dict(zip(names, _context_arrays(context)))
+
+
+def _on_device(device_id: int, launch) -> None:
+    """Run ``launch(launcher)`` with ``device_id`` current (cupy launches on the current
+    device and its current stream)."""
     import cupy
 
-    return _launcher(cupy.cuda.Device().id)
+    if cupy.cuda.runtime.getDevice() == device_id:
+        launch(_launcher(device_id))
+        return
+    with cupy.cuda.Device(device_id):
+        launch(_launcher(device_id))
 
 
 def verify(context, plan, *, check_expected_token: bool) -> None:
-    _current().verify(context, plan, check_expected_token=check_expected_token)
+    device = launch_device(
+        (*_context_arrays(context), *plan.arrays().values()),
+        lambda: {**_context_names(context), **plan.arrays()})
+    _on_device(device, lambda launcher: launcher.verify(
+        context, plan, check_expected_token=check_expected_token))
 
 
 def write(context, plan, *, input_ids, positions, out_cache_loc, expected_input_tokens=None,
           expected_input_positions=None) -> None:
-    _current().write(context, plan, input_ids=input_ids, positions=positions,
-                     out_cache_loc=out_cache_loc, expected_input_tokens=expected_input_tokens,
-                     expected_input_positions=expected_input_positions)
+    tokens = {"input_ids": input_ids, "positions": positions, "out_cache_loc": out_cache_loc,
+              "expected_input_tokens": expected_input_tokens,
+              "expected_input_positions": expected_input_positions}
+    device = launch_device(
+        (*_context_arrays(context), plan.write_offsets, plan.write_seed_slot_indices,
+         plan.write_num_valid_reqs, *tokens.values()),
+        lambda: {**_context_names(context), **plan.arrays(), **tokens})
+    _on_device(device, lambda launcher: launcher.write(context, plan, **tokens))
 
 
 def plan(**kwargs) -> None:
-    _current().plan(**kwargs)
+    verify_plan, write_plan = kwargs["verify_plan"], kwargs["write_plan"]
+    outputs = {**verify_plan.arrays(), **write_plan.arrays()}
+    inputs = {name: value for name, value in kwargs.items() if A.is_cupy_array(value)}
+    device = launch_device((*outputs.values(), *inputs.values()), lambda: {**outputs, **inputs})
+    _on_device(device, lambda launcher: launcher.plan(**kwargs))

@@ -1,4 +1,4 @@
-"""Plan (spec §5.2): turn a batch into a VerifyPlan and a WritePlan.
+"""Plan (docs/format.md §7): turn a batch into a VerifyPlan and a WritePlan.
 
 Per batch row r with table row rp, prefix P and extend E, the rules:
   active         rp != 0 (row 0 is the padding row)

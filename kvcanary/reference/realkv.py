@@ -1,4 +1,4 @@
-"""The real-KV fingerprint (spec §2.6), vectorised over slots.
+"""The real-KV fingerprint (docs/format.md §5), vectorised over slots.
 
   fold_source(src, s)   fold each 8-byte little-endian word of the slot's effective bytes
   real_kv_hash(s)       fold the per-source results in source order

@@ -1,4 +1,4 @@
-"""Violation ring commit (spec §6.2) and the record-field view of a canary buffer."""
+"""Violation ring commit (docs/format.md §10) and the record-field view of a canary buffer."""
 
 from __future__ import annotations
 

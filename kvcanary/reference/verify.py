@@ -1,4 +1,4 @@
-"""Verify (spec §4.4): re-read each planned prefix slot and check its record.
+"""Verify (docs/format.md §9): re-read each planned prefix slot and check its record.
 
 Per entry, the rules:
   expected_chain   H0 for a chain head (prev < 0), link(prev record) for a reachable

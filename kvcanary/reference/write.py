@@ -1,4 +1,4 @@
-"""Write (spec §3.5): stamp each new token's record and advance its request's chain.
+"""Write (docs/format.md §8): stamp each new token's record and advance its request's chain.
 
 Per request, the rules:
   seed link      H0 without a seed (seed < 0), else link(seed record)
@@ -9,9 +9,13 @@ Per request, the rules:
                  advances over the actual token and position
   out of range   kvcanary extension: a slot or seed outside the buffer, or a request whose
                  range leaves the token arrays, is reported as SLOT_OUT_OF_RANGE, never touched
+  conflict       kvcanary extension: when writes of one launch share a slot, the last one in
+                 (request, entry) order keeps it; every other is a WRITE_SLOT_CONFLICT row
 
-The chain is serial within a request; the loop runs over token index, vectorised across
-requests. Violation rows are appended in upstream's order: request, entry, then rule.
+Order-free: every seed is read before any record of the launch is stored, so the result
+never depends on which request runs first. The chain is serial within a request; the loop
+runs over token index, vectorised across requests. Violation rows are appended in
+upstream's order: request, entry, then rule.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from .ring import canary_fields, commit_rows, violation_rows
 _OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
 _TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
 _POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
+_CONFLICT = int(FailReason.WRITE_SLOT_CONFLICT)
 
 # Row order inside one request: its range or seed problems first, then per entry the
-# input assert, the chain-position assert and the out-of-range slot.
-_RULE_RANGE, _RULE_SEED, _RULE_INPUT, _RULE_CHAIN_POSITION, _RULE_SLOT = range(5)
+# input assert, the chain-position assert, the out-of-range slot and the slot conflict.
+_RULE_RANGE, _RULE_SEED, _RULE_INPUT, _RULE_CHAIN_POSITION, _RULE_SLOT, _RULE_CONFLICT = range(6)
 
 
 class _Rows:
@@ -74,13 +79,7 @@ def write_reference(context, plan, *, input_ids, positions, out_cache_loc,
 
     batch = _Batch(context, plan, starts, ends, input_ids, positions, out_cache_loc,
                    expected_input_tokens, expected_input_positions)
-    # A request whose seed is written in this same launch depends on request order:
-    # run those launches request by request, exactly like the sequential reference.
-    if batch.seeds_written_in_launch(requests):
-        written = sum(batch.run(requests[i:i + 1], rows) for i in range(requests.size))
-    else:
-        written = batch.run(requests, rows)
-    context.slot_run_counter[0] += written
+    context.slot_run_counter[0] += batch.run(requests, rows)
     commit_rows(context.violation_log, rows.ordered())
 
 
@@ -105,16 +104,9 @@ class _Batch:
         kept = self.out_cache_loc[index] >= 0
         return request_of[kept], entry[kept], index[kept]
 
-    def seeds_written_in_launch(self, requests: np.ndarray) -> bool:
-        if requests.size < 2:
-            return False
-        seeds = self.seeds[requests]
-        seeds = seeds[(seeds >= 0) & (seeds < self.fields.shape[0])]
-        _, _, index = self.entries(requests)
-        return bool(np.isin(seeds, self.out_cache_loc[index]).any())
-
     def run(self, requests: np.ndarray, rows: _Rows) -> int:
-        """Write the requests' entries; returns how many records were stored."""
+        """Write the requests' entries; returns how many writes landed inside the buffer
+        (a write that loses its slot to a later one of the launch still counts)."""
         kind, fields = self.context.kernel_kind, self.fields
         num_slots = fields.shape[0]
         request_of, entry, index = self.entries(requests)
@@ -122,7 +114,7 @@ class _Batch:
         token, position = self.input_ids[index], self.positions[index]
         request_id = requests[request_of]
 
-        # Seeds: link of the seed record, or H0.
+        # Seeds, all read before anything is stored: link of the seed record, or H0.
         seed = self.seeds[requests]
         seed_out = seed >= num_slots
         rows.add(requests[seed_out], -1, _RULE_SEED, violation_rows(
@@ -170,11 +162,19 @@ class _Batch:
             kind, slot[hit], position[hit], token[hit], token[hit], prev_hash[hit],
             slot[hit], _OUT_OF_RANGE))
 
-        stored = np.flatnonzero(~slot_out)
+        inside = np.flatnonzero(~slot_out)
+        keeper = inside[_last_writer(slot[inside])]
+        lost = np.flatnonzero(keeper != inside)
+        hit, kept = inside[lost], keeper[lost]
+        rows.add(request_id[hit], entry[hit], _RULE_CONFLICT, violation_rows(
+            kind, slot[hit], position[hit], token[hit], token[kept], prev_hash[hit],
+            position[kept], _CONFLICT))
+
+        stored = np.unique(keeper)
         _store(fields, slot[stored], token[stored], position[stored], prev_hash[stored],
                real_kv_hash(self.context.real_kv_sources, self.context.real_kv_hash_mode,
                             slot[stored]))
-        return int(stored.size)
+        return int(inside.size)
 
 
 def _chain(running: np.ndarray, request_of: np.ndarray, token, position) -> np.ndarray:
@@ -206,14 +206,21 @@ def _chain(running: np.ndarray, request_of: np.ndarray, token, position) -> np.n
     return prev_hash
 
 
-def _store(fields, slot, token, position, prev_hash, real_kv) -> None:
-    """Store records; when a slot repeats, the last write wins (program order)."""
+def _last_writer(slot: np.ndarray) -> np.ndarray:
+    """For every write, the index of the last write to the same slot (itself when alone).
+    Writes are in (request, entry) order, so "last" is the largest write id the kernel's
+    atomicMax claim keeps."""
     if slot.size == 0:
-        return
-    _, first_in_reversed = np.unique(slot[::-1], return_index=True)
-    last = slot.size - 1 - first_in_reversed
-    target = slot[last]
-    fields[target, 0] = token[last]
-    fields[target, 1] = position[last]
-    fields[target, 2] = prev_hash[last].view(np.int64)
-    fields[target, 3] = real_kv[last].view(np.int64)
+        return np.zeros(0, dtype=np.int64)
+    _, group = np.unique(slot, return_inverse=True)
+    last = np.full(int(group.max()) + 1, -1, dtype=np.int64)
+    np.maximum.at(last, group, np.arange(slot.size))
+    return last[group]
+
+
+def _store(fields, slot, token, position, prev_hash, real_kv) -> None:
+    """Store one record per slot (the slots are distinct)."""
+    fields[slot, 0] = token
+    fields[slot, 1] = position
+    fields[slot, 2] = prev_hash.view(np.int64)
+    fields[slot, 3] = real_kv.view(np.int64)

@@ -22,15 +22,16 @@ The same seed and options give the same dump, bit for bit. ``backend="cupy"`` ru
 launch on the CUDA kernels (the library moves the arrays per launch, so keep such runs small).
 """
 
-from .config import MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
+from .config import MAX_SEED, MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
 from .engine import Synthesis, synthesize
 from .faults import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, TARGET_CLASSES,
-                     TARGET_DESCRIPTIONS, Fault, Site, parse_inject, site_bits)
+                     TARGET_DESCRIPTIONS, Fault, Site, inapplicable_kinds, parse_inject,
+                     site_bits)
 from .scoring import FaultOutcome, fault_note, faults_from_dump, score
 
 __all__ = [
-    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MODES", "SOURCE_DTYPES", "Fault",
-    "FaultOutcome", "Site", "Stats", "SynthConfig", "SynthError", "Synthesis",
-    "TARGET_CLASSES", "TARGET_DESCRIPTIONS", "fault_note", "site_bits",
-    "faults_from_dump", "parse_inject", "score", "synthesize",
+    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MAX_SEED", "MODES", "SOURCE_DTYPES",
+    "TARGET_CLASSES", "TARGET_DESCRIPTIONS", "Fault", "FaultOutcome", "Site", "Stats",
+    "SynthConfig", "SynthError", "Synthesis", "fault_note", "faults_from_dump",
+    "inapplicable_kinds", "parse_inject", "score", "site_bits", "synthesize",
 ]

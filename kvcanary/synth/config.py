@@ -9,8 +9,12 @@ import numpy as np
 from ..consts import RealKvHashMode
 
 MODES = ("none", "partial", "all")
+# Seeds are recorded in int64 dump keys (synth_config) and feed numpy's SeedSequence.
+MAX_SEED = (1 << 63) - 1
 # Real-KV source ``i`` holds dtype ``SOURCE_DTYPES[i % 4]``, so runs cover several element sizes.
 SOURCE_DTYPES = (np.uint8, np.float16, np.int32, np.float32)
+# Seeds are recorded in int64 dump keys (synth_config) and feed numpy's SeedSequence.
+MAX_SEED = (1 << 63) - 1
 
 
 class SynthError(ValueError):
@@ -54,6 +58,7 @@ class SynthConfig:
         need(self.mode in MODES, f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         need(self.chunk_size >= 1, f"--chunk-size must be at least 1, got {self.chunk_size}")
         need(self.verify_every >= 0, f"--verify-every must be >= 0, got {self.verify_every}")
+        need(0 <= self.seed <= MAX_SEED, f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
         for name in ("prompt_len", "output_len", "shared_prefix_len"):
             low, high = getattr(self, name)
             need(1 <= low <= high, f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got "

@@ -56,8 +56,10 @@ class Synthesis:
             if not scheduler.running:
                 raise SynthError("internal: nothing is running and nothing can be admitted")
             self._step()
-            if progress:
-                progress(scheduler.admitted, self.config.requests)
+            if progress:   # the run ends when every request is admitted and prefilled
+                progress(scheduler.admitted - sum(r.seq_len < r.prompt_len
+                                                  for r in scheduler.running),
+                         self.config.requests)
             if scheduler.all_admitted_and_prefilled:
                 break
         self.stats.elapsed_s = time.perf_counter() - started

@@ -133,10 +133,19 @@ class Fault:
     sites: tuple = field(default_factory=tuple)
 
 
-def parse_inject(specs) -> list:
+def inapplicable_kinds(config) -> dict:
+    """Fault kinds that cannot be injected into a workload of ``config``, with the reason."""
+    if config.sources == 0:
+        return {"real-kv-byte": "no real-KV sources (--sources 0)"}
+    return {}
+
+
+def parse_inject(specs, config=None) -> list:
     """``["token", "alias:3@head"]`` -> ``[("token", 1, "interior"), ("alias", 3, "head")]``;
-    kind ``all`` means every kind, class ``all`` every target class; ``token+position:2@
-    chain-seam`` places two interacting pairs."""
+    kind ``all`` means every kind that applies to ``config`` (see :func:`inapplicable_kinds`),
+    class ``all`` every target class; ``token+position:2@chain-seam`` places two interacting
+    pairs."""
+    skipped = inapplicable_kinds(config) if config is not None else {}
     result = []
     for spec in specs:
         body, _, target = spec.partition("@")
@@ -148,7 +157,7 @@ def parse_inject(specs) -> list:
             raise SynthError(f"--inject {spec}: COUNT must be an integer") from None
         if number < 1:
             raise SynthError(f"--inject {spec}: COUNT must be at least 1")
-        kinds = FAULT_KINDS if kind == "all" else (kind,)
+        kinds = [k for k in FAULT_KINDS if k not in skipped] if kind == "all" else (kind,)
         targets = TARGET_CLASSES if target == "all" else (target,)
         for name in kinds:
             for where in targets:

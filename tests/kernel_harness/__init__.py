@@ -1,7 +1,8 @@
 """Run the CUDA kernel sources on the CPU: g++ compiles kernels/*.cu against a small
 shim of CUDA's built-ins (cuda_shim.h) into a shared library, and ctypes launches the
-grid sequentially. The launch sequence and argument lists are kvcanary's own
-(``kvcanary.cuda.launch.Launcher``), so the tests exercise them too.
+grid sequentially, its threads in forward, reverse or shuffled order. The launch sequence
+and argument lists are kvcanary's own (``kvcanary.cuda.launch.Launcher``), so the tests
+exercise them too.
 
 Libraries are cached by a hash of every source and flag, under
 ``$KVCANARY_HARNESS_CACHE`` or the system temp directory."""
@@ -25,6 +26,8 @@ from kvcanary.kernel_source import kernel_dir
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_FLAGS = ("-O2",)
+# Thread orders of a launch (harness.cpp's Order): a GPU fixes none of them.
+ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
 SANITIZE_FLAGS = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                   "-fno-sanitize-recover=undefined")
 
@@ -79,7 +82,8 @@ def load(max_real_kv_sources: int = 4, check_expected_token: bool = False,
          flags: tuple[str, ...] = DEFAULT_FLAGS) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build(max_real_kv_sources, check_expected_token, flags)))
     lib.kvc_cpu_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint,
-                                   ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+                                   ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_uint]
     lib.kvc_cpu_launch.restype = ctypes.c_int
     lib.kvc_cpu_sources_size.restype = ctypes.c_long
     lib.kvc_cpu_sources_offset.restype = ctypes.c_long
@@ -92,10 +96,11 @@ def marshal(args) -> tuple[ctypes.Array, list]:
     Returns the array and the objects that must stay alive while it is used."""
     keep = []
     for arg in args:
-        if isinstance(arg, np.ndarray):
+        if isinstance(arg, np.ndarray) and arg.dtype.names is not None:
+            # A by-value struct: a 0-d structured array, which CuPy passes by value too.
+            value = ctypes.create_string_buffer(arg.tobytes(), arg.nbytes)
+        elif isinstance(arg, np.ndarray):
             value = ctypes.c_void_p(L.array_pointer(arg))
-        elif isinstance(arg, np.void):
-            value = ctypes.create_string_buffer(arg.tobytes(), len(arg.tobytes()))
         elif isinstance(arg, np.int64):
             value = ctypes.c_int64(int(arg))
         elif isinstance(arg, np.int32):
@@ -117,11 +122,11 @@ class CpuKernels:
     def __init__(self, multiprocessor_count: int = 2, threads_per_block: int = 8,
                  write_threads_per_block: int = 4, flags: tuple[str, ...] = DEFAULT_FLAGS):
         self.flags = flags
+        self.order, self.seed = "forward", 0  # thread order of the next launches
         self.launches = []  # (name, blocks, threads) of every launch, for geometry checks
         self._launcher = L.Launcher(self._run, multiprocessor_count,
                                     threads_per_block=threads_per_block,
-                                    write_threads_per_block=write_threads_per_block,
-                                    zeros=lambda n, like: np.zeros(n, dtype=np.int64))
+                                    write_threads_per_block=write_threads_per_block)
 
     def _run(self, key, name, geometry, args) -> None:
         _, bound, check = key
@@ -129,7 +134,8 @@ class CpuKernels:
         pointers, keep = marshal(args)
         blocks, threads = geometry
         self.launches.append((name, blocks, threads))
-        rc = lib.kvc_cpu_launch(name.encode(), blocks, threads, pointers, len(keep))
+        rc = lib.kvc_cpu_launch(name.encode(), blocks, threads, pointers, len(keep),
+                                ORDERS[self.order], self.seed)
         if rc != 0:
             raise RuntimeError(f"harness launch of {name} failed with {rc}")
 
@@ -199,9 +205,10 @@ class Mismatch(AssertionError):
 
 def compare_contexts(expected, actual, index_before: int, full_rows=None) -> None:
     """Kernel context vs reference context after one launch. Rows recorded by this
-    launch compare as a multiset when there is more than one; when the ring overflowed
-    in this launch, the surviving kernel rows must be rows the reference produces
-    (``full_rows``: the reference's rows with room for all of them)."""
+    launch compare as a multiset when there is more than one; when only some of them
+    land (the ring overflowed, or the index started negative), which ones depends on
+    thread order, so the kernel's must be rows the reference produces (``full_rows``: the
+    reference's rows with room for all of them)."""
     if not np.array_equal(expected.canary_buf, actual.canary_buf):
         diff = np.flatnonzero((expected.canary_buf != actual.canary_buf).any(axis=1))
         raise Mismatch(f"canary bytes differ at slots {diff[:10].tolist()}")
@@ -219,7 +226,8 @@ def compare_contexts(expected, actual, index_before: int, full_rows=None) -> Non
     if not (np.array_equal(e_log.ring[:begin], a_log.ring[:begin])
             and np.array_equal(e_log.ring[end:], a_log.ring[end:])):
         raise Mismatch("ring rows outside this launch's range changed")
-    if after - index_before <= 1 or after <= capacity or full_rows is None:
+    if after - index_before <= 1 or not _some_dropped(index_before, after, capacity) \
+            or full_rows is None:
         if _rows(e_log.ring, begin, end) != _rows(a_log.ring, begin, end):
             raise Mismatch(f"ring rows differ: reference {_rows(e_log.ring, begin, end)} "
                            f"kernel {_rows(a_log.ring, begin, end)}")
@@ -231,35 +239,55 @@ def compare_contexts(expected, actual, index_before: int, full_rows=None) -> Non
             pool.remove(row)
 
 
+def _some_dropped(index_before: int, after: int, capacity: int) -> bool:
+    return after > index_before and (index_before < 0 or after > capacity)
+
+
 def compare_plans(expected, actual, what: str) -> None:
-    for name, value in vars(expected).items():
-        if isinstance(value, np.ndarray) and not np.array_equal(value, getattr(actual, name)):
+    """The plan's contents (its scratch is working memory and may differ)."""
+    for name, value in expected.arrays().items():
+        if not np.array_equal(value, actual.arrays()[name]):
             raise Mismatch(f"{what}.{name}: reference {value.tolist()[:16]} "
-                           f"kernel {getattr(actual, name).tolist()[:16]}")
+                           f"kernel {actual.arrays()[name].tolist()[:16]}")
 
 
 class Differential:
     """Backend interface that runs the numpy reference first (its exceptions propagate
     unchanged, so the kernels never see input the reference rejects), then the kernels
-    on the caller's arrays, and raises ``Mismatch`` on any byte difference."""
+    on the caller's arrays, and raises ``Mismatch`` on any byte difference.
 
-    def __init__(self, kernels: CpuKernels):
+    With CPU kernels every launch first runs in the other thread orders on copies, each
+    compared with the reference the same way, then forward on the caller's arrays: a
+    result that depends on thread order fails. (A GPU picks its own order.)"""
+
+    def __init__(self, kernels):
         from kvcanary import reference
 
         self.kernels = kernels
         self.reference = reference.BACKEND
+        self.orders = ("reverse", "shuffled") if isinstance(kernels, CpuKernels) else ()
         self.compared = 0
 
-    def _overflow_rows(self, context, launch, after: int):
-        """Reference rows of this launch with a ring big enough to hold all of them."""
+    def _in_orders(self, run) -> None:
+        """``run(last)`` once per extra order on copies (last=False), then forward on the
+        caller's arrays (last=True)."""
+        for order in self.orders:
+            self.kernels.order, self.kernels.seed = order, self.compared + 1
+            try:
+                run(False)
+            except Mismatch as exc:
+                raise Mismatch(f"{order} thread order: {exc}") from None
+            finally:
+                self.kernels.order = "forward"
+        run(True)
+
+    def _all_rows(self, context, launch, count: int):
+        """Reference rows of this launch with an empty ring big enough for all of them."""
         twin = _copy_context(context)
-        total = int(context.violation_log.write_index[0])
         twin.violation_log = type(context.violation_log)(
-            np.zeros((max(after, 0) + 1, 8), dtype=np.int64),
-            context.violation_log.write_index.copy())
+            np.zeros((count + 1, 8), dtype=np.int64), np.zeros(1, dtype=np.int32))
         launch(twin)
-        after = int(twin.violation_log.write_index[0])
-        return _rows(twin.violation_log.ring, max(total, 0), max(after, 0))
+        return _rows(twin.violation_log.ring, 0, count)
 
     def _context_launch(self, context, launch) -> None:
         before = int(context.violation_log.write_index[0])
@@ -267,10 +295,15 @@ class Differential:
         launch(self.reference, twin)
         full = None
         after = int(twin.violation_log.write_index[0])
-        if after - before > 1 and after > twin.violation_log.ring.shape[0]:
-            full = self._overflow_rows(context, lambda c: launch(self.reference, c), after)
-        launch(self.kernels, context)
-        compare_contexts(twin, context, before, full)
+        if after - before > 1 and _some_dropped(before, after, twin.violation_log.ring.shape[0]):
+            full = self._all_rows(context, lambda c: launch(self.reference, c), after - before)
+
+        def run(last: bool) -> None:
+            target = context if last else _copy_context(context)
+            launch(self.kernels, target)
+            compare_contexts(twin, target, before, full)
+
+        self._in_orders(run)
         self.compared += 1
 
     def verify(self, context, plan, *, check_expected_token: bool) -> None:
@@ -283,9 +316,15 @@ class Differential:
     def plan(self, *, verify_plan, write_plan, **kwargs) -> None:
         expected_verify, expected_write = _copy_plan(verify_plan), _copy_plan(write_plan)
         self.reference.plan(verify_plan=expected_verify, write_plan=expected_write, **kwargs)
-        self.kernels.plan(verify_plan=verify_plan, write_plan=write_plan, **kwargs)
-        compare_plans(expected_verify, verify_plan, "verify_plan")
-        compare_plans(expected_write, write_plan, "write_plan")
+
+        def run(last: bool) -> None:
+            verify_out = verify_plan if last else _copy_plan(verify_plan)
+            write_out = write_plan if last else _copy_plan(write_plan)
+            self.kernels.plan(verify_plan=verify_out, write_plan=write_out, **kwargs)
+            compare_plans(expected_verify, verify_out, "verify_plan")
+            compare_plans(expected_write, write_out, "write_plan")
+
+        self._in_orders(run)
         self.compared += 1
 
 

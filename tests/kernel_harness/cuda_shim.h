@@ -32,6 +32,17 @@ inline T atomicAdd(T* address, T value) {
   return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
 }
 
+// atomicMax returns the old value.
+template <class T>
+inline T atomicMax(T* address, T value) {
+  T old = __atomic_load_n(address, __ATOMIC_SEQ_CST);
+  while (old < value &&
+         !__atomic_compare_exchange_n(address, &old, value, false, __ATOMIC_SEQ_CST,
+                                      __ATOMIC_SEQ_CST)) {
+  }
+  return old;
+}
+
 // Read-only cached load: a plain (alignment-agnostic) copy on the host.
 template <class T>
 inline T __ldg(const T* address) {

@@ -1,11 +1,16 @@
 // CPU launcher for the kernels in kernels/: each launch takes its arguments the way
 // cuLaunchKernel does (an array of pointers to the argument values) and runs the grid
-// as a sequential loop. Built per (KVC_MAX_REAL_KV_SOURCES, KVC_CHECK_VERIFY_EXPECTED_TOKEN).
+// as a sequential loop over (block, thread) in the order asked for: forward, reverse, or
+// shuffled by a seed. A GPU runs threads in no fixed order, so a kernel must give the
+// same bytes in all three. Built per (KVC_MAX_REAL_KV_SOURCES, KVC_CHECK_VERIFY_EXPECTED_TOKEN).
 #include "cuda_shim.h"
 
+#include <algorithm>
 #include <cstring>
+#include <random>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "kvc_plan.cu"
 #include "kvc_verify.cu"
@@ -18,16 +23,21 @@ void call_kernel(void (*kernel)(Args...), void** args, std::index_sequence<I...>
   kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<Args>>*>(args[I])...);
 }
 
+enum Order { kForward = 0, kReverse = 1, kShuffled = 2 };
+
 template <class... Args>
-void run_grid(void (*kernel)(Args...), unsigned grid, unsigned block, void** args) {
+void run_grid(void (*kernel)(Args...), unsigned grid, unsigned block, void** args, int order,
+              unsigned seed) {
   gridDim = {grid, 1, 1};
   blockDim = {block, 1, 1};
-  for (unsigned b = 0; b < grid; ++b) {
-    for (unsigned t = 0; t < block; ++t) {
-      blockIdx = {b, 0, 0};
-      threadIdx = {t, 0, 0};
-      call_kernel(kernel, args, std::index_sequence_for<Args...>{});
-    }
+  std::vector<unsigned long long> threads(static_cast<std::size_t>(grid) * block);
+  for (std::size_t k = 0; k < threads.size(); ++k) threads[k] = k;
+  if (order == kReverse) std::reverse(threads.begin(), threads.end());
+  if (order == kShuffled) std::shuffle(threads.begin(), threads.end(), std::mt19937_64(seed));
+  for (const unsigned long long k : threads) {
+    blockIdx = {static_cast<unsigned>(k / block), 0, 0};
+    threadIdx = {static_cast<unsigned>(k % block), 0, 0};
+    call_kernel(kernel, args, std::index_sequence_for<Args...>{});
   }
 }
 
@@ -40,15 +50,18 @@ constexpr int arity(void (*)(Args...)) {
 
 // Returns 0, or -1 for an unknown kernel name, or -2 when nargs does not match.
 extern "C" int kvc_cpu_launch(const char* name, unsigned grid, unsigned block, void** args,
-                              int nargs) {
+                              int nargs, int order, unsigned seed) {
 #define KVC_DISPATCH(kernel)                                      \
   if (std::strcmp(name, #kernel) == 0) {                          \
     if (nargs != arity(&kernel)) return -2;                       \
-    run_grid(&kernel, grid, block, args);                         \
+    run_grid(&kernel, grid, block, args, order, seed);            \
     return 0;                                                     \
   }
   KVC_DISPATCH(kvc_verify)
+  KVC_DISPATCH(kvc_write_seeds)
+  KVC_DISPATCH(kvc_write_claims)
   KVC_DISPATCH(kvc_write)
+  KVC_DISPATCH(kvc_write_real_kv)
   KVC_DISPATCH(kvc_plan_rows)
   KVC_DISPATCH(kvc_plan_offsets)
   KVC_DISPATCH(kvc_plan_entries)
