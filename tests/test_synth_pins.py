@@ -25,7 +25,7 @@ SYNTH_PINS = [
     (dict(seed=2, swa_window=40, sources=4, mode="none", bytes_per_token=48),
      "e90901627d5620e9d6c3eeb05d4bf2bf0c956228873764da0d6aa75e5ec0ecf3"),
 ]
-CAMPAIGN_PIN = "296c92ada1dcfd563b29c913f610dd9f8447e9fa49cdbe16ae3f54530dfead55"
+CAMPAIGN_PIN = "e8517952b2a109bda639ad148a5f8c907c836dc2c1997d230219ae25c48beba3"
 
 
 def digest_arrays(arrays: dict) -> str:
