@@ -26,8 +26,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 import kvcanary as kc
 
 TARGETS = {"verify_fraction_of_copy": 0.60, "write_decode_us": 10.0, "realkv_all_gbps": 650.0}

@@ -33,7 +33,11 @@ from .interrupt import interrupted_record, on_interrupt, unwritten
               help="Write the report to this file instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
               help="Worker processes [default: CPU count].")
-def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs):
+@click.option("--layout", type=click.Choice(["per-token", "paged"]), default="per-token",
+              show_default=True,
+              help="per-token: req_to_token dumps; paged: paged engines (synth --block-size) "
+                   "dumping block tables, with the paged fault forms.")
+def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs, layout):
     """Inject faults of every kind into randomized synth workloads, audit them, and report
     the detection rate per fault kind and hash mode plus false positives on clean runs.
 
@@ -62,7 +66,8 @@ def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs)
     with error_boundary(), unwritten(out or "the report"):
         try:
             report = run_campaign(faults_per_kind=faults_per_kind, clean_runs=clean_runs,
-                                  seed=seed, backend=backend, jobs=jobs, progress=progress)
+                                  seed=seed, backend=backend, jobs=jobs, layout=layout,
+                                  progress=progress)
         finally:
             for bar in bars.values():
                 bar.close()

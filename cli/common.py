@@ -9,12 +9,13 @@ import time
 
 import click
 
+from kvcanary.synth import MAX_SEED
+
 from .interrupt import progressed
 
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
 ERROR_PREFIX = "kvcanary: error: "
-# Seeds feed numpy's SeedSequence and are recorded in int64 dump keys.
-SEED_RANGE = click.IntRange(0, (1 << 63) - 1)
+SEED_RANGE = click.IntRange(0, MAX_SEED)
 # Redraw a progress line at most this often (seconds).
 PROGRESS_INTERVAL_S = 0.1
 

@@ -32,6 +32,9 @@ def synth_options(function):
         click.option("--max-running", type=int, default=16, show_default=True,
                      help="Requests running at once (the live requests of the dump)."),
         click.option("--page-size", type=int, default=1, show_default=True),
+        click.option("--block-size", type=int, default=0, show_default=True,
+                     help="Simulate a paged engine with blocks of N slots (its pages) and "
+                          "dump a block table; 0: a per-token req_to_token table."),
         click.option("--swa-window", type=int, default=0, show_default=True,
                      help="Sliding window; > 0 dumps the SWA group (slots through the LUT)."),
         click.option("--sources", type=int, default=1, show_default=True,
@@ -85,9 +88,10 @@ def check_out(out: str, force: bool) -> None:
 @click.option("--inject", multiple=True, metavar="KIND[:COUNT][@CLASS]",
               help="Inject a fault after the run (repeatable; KIND 'all' for every kind that "
                    "applies): token, position, prev-hash, real-kv-byte, alias, swap, "
-                   "stale-reuse, slot-zero, lost-write; at target CLASS (default interior): "
-                   "head, interior, last, chunk-boundary, window-head, shared, cached; or "
-                   "KIND+KIND:PAIRS@shared-block|chain-seam for interacting pairs.")
+                    "stale-reuse, slot-zero, lost-write; with --block-size also evicted-block; "
+                    "at target CLASS (default interior; per-token layout only): head, "
+                    "interior, last, chunk-boundary, window-head, shared, cached; or "
+                    "KIND+KIND:PAIRS@shared-block|chain-seam for interacting pairs.")
 @click.option("--force", is_flag=True,
               help="Overwrite an existing OUT file, or replace the dump in an OUT directory.")
 def synth_command(out, mode, backend, inject, force, **values):
@@ -123,7 +127,8 @@ def synth_command(out, mode, backend, inject, force, **values):
                f"{rows.shape[0]} live requests ({int(seq_lens.sum())} prefix tokens), "
                f"{len(synthesis.cache)} cached blocks, {config.sources} real-KV source(s) in "
                f"{config.mode} mode" + (f", SWA window {config.swa_window}"
-                                        if config.swa_window else ""))
+                                        if config.swa_window else "")
+               + (f", block table of {config.block_size}-slot blocks" if config.paged else ""))
     click.echo(f"simulation: {s.steps} steps, {s.tokens_written} tokens written, "
                f"{s.cached_tokens_reused} reused from the prefix cache, {s.blocks_evicted} "
                f"blocks evicted, {s.slots_reused} slot reuses, {s.verify_launches} verify "

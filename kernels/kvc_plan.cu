@@ -11,6 +11,10 @@
 //   write          offsets = exclusive prefix sum of E over active rows, seed
 //                  T(table[rp, P-1]) when P > 0 and E > 0, else -1; num_valid_reqs = bs
 //   T              the SWA LUT when given (negative slots pass through)
+//   table[rp, pos] a per-token table's entry, or from a block table with block size B:
+//                  block b = table[rp, pos / B], slot b * B + pos % B; the null block 0
+//                  gives slot 0 (padding) at every offset; a slot past int64 gives the
+//                  out-of-table marker. B = 1 is the per-token table.
 //   out of table   a table read outside the table yields PLAN_SLOT_OUT_OF_TABLE; so does a
 //                  LUT index past the LUT (the reference raises there; a kernel cannot)
 // No source-count bound is needed here.
@@ -18,12 +22,14 @@
 
 namespace kvc {
 
-// req_to_token is int32 or int64 (elem_bytes 4 or 8), row-major and contiguous.
+// req_to_token is int32 or int64 (elem_bytes 4 or 8), row-major and contiguous; with
+// block_size > 1 it is a block table (one entry per block_size positions).
 struct Table {
   const void* data;
   int64_t rows;
   int64_t cols;
   int32_t elem_bytes;
+  int64_t block_size;
 };
 
 KVC_DEVICE bool table_inside(const Table& t, int64_t row, int64_t col) {
@@ -37,9 +43,26 @@ KVC_DEVICE int64_t table_at(const Table& t, int64_t row, int64_t col) {
   return static_cast<const int64_t*>(t.data)[i];
 }
 
-// req_to_token[row, col], or the out-of-table marker.
-KVC_DEVICE int64_t table_slot(const Table& table, int64_t row, int64_t col) {
-  return table_inside(table, row, col) ? table_at(table, row, col) : kPlanSlotOutOfTable;
+// Slot `offset` of a block (block_size >= 2): the null block 0 is padding slot 0; a block
+// whose slots do not fit int64 gives the out-of-table marker.
+KVC_DEVICE int64_t block_slot(int64_t block, int64_t offset, int64_t block_size) {
+  if (block == 0) return 0;
+  const int64_t highest = (kPlanSlotOutOfTable - (block_size - 1)) / block_size;
+  const int64_t lowest =
+      -static_cast<int64_t>((static_cast<uint64_t>(1) << 63) / static_cast<uint64_t>(block_size));
+  if (block > highest || block < lowest) return kPlanSlotOutOfTable;
+  return block * block_size + offset;
+}
+
+// The slot of (row, pos), or the out-of-table marker.
+KVC_DEVICE int64_t table_slot(const Table& table, int64_t row, int64_t pos) {
+  if (table.block_size == 1) {
+    return table_inside(table, row, pos) ? table_at(table, row, pos) : kPlanSlotOutOfTable;
+  }
+  if (table.block_size < 1 || pos < 0) return kPlanSlotOutOfTable;
+  const int64_t col = pos / table.block_size;
+  if (!table_inside(table, row, col)) return kPlanSlotOutOfTable;
+  return block_slot(table_at(table, row, col), pos % table.block_size, table.block_size);
 }
 
 // SWA translation: negatives and the marker pass through; past the LUT becomes the marker.
@@ -75,13 +98,13 @@ KVC_DEVICE int64_t verify_len(int64_t rp, int64_t prefix_len, int64_t swa_window
 extern "C" __global__ void kvc_plan_rows(
     const int64_t* __restrict__ req_pool_indices, const int64_t* __restrict__ prefix_lens,
     const int64_t* __restrict__ extend_seq_lens, int64_t bs, const void* __restrict__ req_to_token,
-    int64_t table_rows, int64_t table_cols, int32_t table_elem_bytes,
+    int64_t table_rows, int64_t table_cols, int32_t table_elem_bytes, int64_t block_size,
     const int64_t* __restrict__ full_to_swa_index_mapping, int64_t lut_len, int64_t swa_window_size,
     int64_t* __restrict__ verify_offsets_scratch, int64_t verify_capacity,
     int64_t* __restrict__ write_offsets, int64_t write_req_capacity,
     int64_t* __restrict__ write_seed_slot_indices) {
   using namespace kvc;
-  const Table table{req_to_token, table_rows, table_cols, table_elem_bytes};
+  const Table table{req_to_token, table_rows, table_cols, table_elem_bytes, block_size};
   const int64_t work = bs > write_req_capacity + 1 ? bs : write_req_capacity + 1;
   for (int64_t t = global_thread(); t < work; t += grid_threads()) {
     if (t == 0) write_offsets[0] = 0;
@@ -138,7 +161,8 @@ extern "C" __global__ void kvc_plan_offsets(int64_t bs, int64_t* __restrict__ ve
 extern "C" __global__ void kvc_plan_entries(
     const int64_t* __restrict__ req_pool_indices, const int64_t* __restrict__ prefix_lens, int64_t bs,
     const void* __restrict__ req_to_token, int64_t table_rows, int64_t table_cols,
-    int32_t table_elem_bytes, const int64_t* __restrict__ full_to_swa_index_mapping, int64_t lut_len,
+    int32_t table_elem_bytes, int64_t block_size,
+    const int64_t* __restrict__ full_to_swa_index_mapping, int64_t lut_len,
     int64_t swa_window_size, const void* __restrict__ req_to_verify_expected_tokens,
     int64_t pool_rows, int64_t pool_cols, int32_t pool_elem_bytes,
     const int64_t* __restrict__ req_to_verify_expected_tokens_valid_lens,
@@ -150,8 +174,8 @@ extern "C" __global__ void kvc_plan_entries(
   if (bs <= 0) return;
   const int64_t total = verify_offsets_scratch[bs];
   if (total <= 0 || total > verify_capacity) return;  // overflow: nothing scattered
-  const Table table{req_to_token, table_rows, table_cols, table_elem_bytes};
-  const Table pool{req_to_verify_expected_tokens, pool_rows, pool_cols, pool_elem_bytes};
+  const Table table{req_to_token, table_rows, table_cols, table_elem_bytes, block_size};
+  const Table pool{req_to_verify_expected_tokens, pool_rows, pool_cols, pool_elem_bytes, 1};
   for (int64_t t = global_thread(); t < total; t += grid_threads()) {
     // Largest r with offsets[r] <= t (zero-length rows share their successor's offset).
     int64_t lo = 0, hi = bs - 1;

@@ -34,11 +34,20 @@ def _check_token_array(x, name: str, length: int | None) -> None:
     A.check_array(x, name, _INT64, 1, length)
 
 
-def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify_plan: VerifyPlan,
-         write_plan: WritePlan, swa_window_size: int = 0, full_to_swa_index_mapping=None,
-         req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
-         kv_token_id_vs_position_offset: int = 0, backend: str | None = None) -> None:
-    """Fill ``verify_plan`` and ``write_plan`` in place for one forward step (docs/format.md §7)."""
+def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
+         verify_plan: VerifyPlan, write_plan: WritePlan, swa_window_size: int = 0,
+         full_to_swa_index_mapping=None, req_to_verify_expected_tokens=None,
+         req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset: int = 0,
+         block_table=None, block_size=None, backend: str | None = None) -> None:
+    """Fill ``verify_plan`` and ``write_plan`` in place for one forward step (docs/format.md §7).
+
+    Slots come from exactly one table: ``req_to_token`` (int32/int64 ``[rows, max_len]``, the
+    slot of each request row and position), or ``block_table`` (int32/int64 ``[rows,
+    max_blocks]``) with ``block_size >= 1``, where position ``p`` of a row is slot
+    ``block_table[row, p // block_size] * block_size + p % block_size``. Block 0 is the null
+    block: its positions map to padding slot 0. The plan is the one of the equivalent
+    per-token table, without building it."""
+    table_name, table, block_size = _slot_table(req_to_token, block_table, block_size)
     swa_window_size = A.check_int64(swa_window_size, "swa_window_size")
     kv_token_id_vs_position_offset = A.check_int64(kv_token_id_vs_position_offset,
                                                    "kv_token_id_vs_position_offset")
@@ -51,7 +60,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify
         "req_pool_indices": A.as_array(req_pool_indices, "req_pool_indices"),
         "prefix_lens": A.as_array(prefix_lens, "prefix_lens"),
         "extend_seq_lens": A.as_array(extend_seq_lens, "extend_seq_lens"),
-        "req_to_token": A.as_array(req_to_token, "req_to_token"),
+        "req_to_token": table,
         "full_to_swa_index_mapping": A.as_array(full_to_swa_index_mapping,
                                                 "full_to_swa_index_mapping"),
         "req_to_verify_expected_tokens": A.as_array(req_to_verify_expected_tokens,
@@ -64,7 +73,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify
     bs = rows.shape[0]
     A.check_array(inputs["prefix_lens"], "prefix_lens", _INT64, 1, bs)
     A.check_array(inputs["extend_seq_lens"], "extend_seq_lens", _INT64, 1, bs)
-    A.check_array(inputs["req_to_token"], "req_to_token", _TABLE_DTYPES, 2)
+    A.check_array(table, table_name, _TABLE_DTYPES, 2)
     lut = inputs["full_to_swa_index_mapping"]
     if lut is not None:
         A.check_array(lut, "full_to_swa_index_mapping", _INT64, 1)
@@ -87,12 +96,31 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify
     outputs = {**verify_plan.arrays(), **write_plan.arrays()}
     for name, array in outputs.items():
         A.check_writeable(array, name)
-    library = A.same_library("req_to_token", inputs["req_to_token"],
+    library = A.same_library(table_name, table,
                              **{k: v for k, v in inputs.items() if k != "req_to_token"}, **outputs)
     kwargs = dict(inputs, verify_plan=verify_plan, write_plan=write_plan,
                   swa_window_size=swa_window_size,
                   kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+    kwargs["block_size"] = block_size
     _run(backend or library, library, "plan", kwargs)
+
+
+def _slot_table(req_to_token, block_table, block_size) -> tuple:
+    """``(name, table, block_size)`` from exactly one of the two table arguments."""
+    if (req_to_token is None) == (block_table is None):
+        given = "both" if block_table is not None else "neither"
+        raise ValueError(f"kv-canary: plan needs exactly one of req_to_token or block_table, "
+                         f"got {given}")
+    if block_table is None:
+        if block_size is not None:
+            raise ValueError("kv-canary: block_size goes with block_table, not req_to_token")
+        return "req_to_token", A.as_array(req_to_token, "req_to_token"), 1
+    if block_size is None:
+        raise ValueError("kv-canary: block_table needs block_size (tokens per block, >= 1)")
+    block_size = A.check_int64(block_size, "block_size")
+    if block_size < 1:
+        raise ValueError(f"kv-canary: block_size must be >= 1, got {block_size}")
+    return "block_table", A.as_array(block_table, "block_table"), block_size
 
 
 def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_cache_loc,

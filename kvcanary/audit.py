@@ -103,17 +103,23 @@ class Finding:
     violation: Violation
     kind: str                 # "request", "sweep" or "unattributed"
     batch_index: int = -1     # index into req_pool_indices
-    request_row: int = -1     # req_to_token row
+    request_row: int = -1     # slot-table row
     position: int = -1        # the entry's expected position
     prev_slot: int = -1       # the entry's predecessor slot
     sweep_index: int = -1
     checks: tuple = ()
     cause: str = ""
+    block_index: int = -1     # paged dumps: the position's entry in the row's block table
+    block: int = -1           # paged dumps: the block id there (-1: past the table)
 
     def where(self) -> str:
         if self.kind == "request":
+            block = ""
+            if self.block_index >= 0:
+                block = (f", block {self.block} (block-table entry {self.block_index}"
+                         f"{', the null block' if self.block == 0 else ''})")
             return (f"request row {self.request_row} (batch index {self.batch_index}), "
-                    f"position {self.position}, slot {self.violation.slot_idx}")
+                    f"position {self.position}{block}, slot {self.violation.slot_idx}")
         if self.kind == "sweep":
             return (f"sweep entry {self.sweep_index}, position {self.position}, "
                     f"slot {self.violation.slot_idx}")
@@ -125,6 +131,8 @@ class Finding:
                       request_row=self.request_row, expected_position=self.position,
                       prev_slot=self.prev_slot, sweep_index=self.sweep_index,
                       failed_checks=list(self.checks), likely_cause=self.cause)
+        if self.block_index >= 0:
+            record.update(block_index=self.block_index, block=self.block)
         return record
 
 
@@ -244,16 +252,16 @@ def failed_checks(bits: int) -> tuple:
 
 
 def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
-                 swa: bool = False) -> str:
+                 swa: bool = False, table: str = "req_to_token") -> str:
     bits, s = int(v.fail_reason_bits), v.slot_idx
     causes = []
     if bits & _BIT["SLOT_OUT_OF_RANGE"]:
         if s == PLAN_SLOT_OUT_OF_TABLE:
-            causes.append(f"position {position} lies outside req_to_token: seq_len is larger "
+            causes.append(f"position {position} lies outside {table}: seq_len is larger "
                           "than the table, or the request row is not in the table")
         elif s < 0 or s >= num_slots:
             causes.append(f"the table entry points outside the canary buffer (slot {s}, the "
-                          f"buffer has {num_slots} slots): a corrupt or stale req_to_token entry")
+                          f"buffer has {num_slots} slots): a corrupt or stale {table} entry")
         else:
             causes.append(f"the predecessor entry (position {position - 1}) points outside the "
                           f"canary buffer (slot {v.expected_aux})")
@@ -422,7 +430,7 @@ def _live_lengths(d: Dump) -> np.ndarray:
 def _live_launches(d: Dump, launcher: _Launcher, lengths: np.ndarray, chunk: int):
     """The live requests' prefixes, planned by ``kvcanary.plan`` in chunks of requests."""
     device, xp = launcher.device, launcher.xp
-    table = device(d.req_to_token)
+    table = d.plan_table(device)
     lut = device(d.full_to_swa_index_mapping)
     pool = device(d.expected_tokens)
     check_token = pool is not None
@@ -437,7 +445,7 @@ def _live_launches(d: Dump, launcher: _Launcher, lengths: np.ndarray, chunk: int
         try:
             api.plan(req_pool_indices=device(np.ascontiguousarray(d.req_pool_indices[begin:end])),
                      prefix_lens=device(np.ascontiguousarray(d.seq_lens[begin:end])),
-                     extend_seq_lens=xp.zeros(bs, dtype=xp.int64), req_to_token=table,
+                     extend_seq_lens=xp.zeros(bs, dtype=xp.int64), **table,
                      verify_plan=verify_plan, write_plan=write_plan,
                      swa_window_size=d.swa_window_size, full_to_swa_index_mapping=lut,
                      req_to_verify_expected_tokens=pool,
@@ -659,8 +667,10 @@ class _Tally:
             return _finding(v, "sweep", d.num_slots, sweep_index=launch.sweep_begin + entry,
                             **where)
         b = int(launch.batch_index[entry])
+        row = int(d.req_pool_indices[b])
         return _finding(v, "request", d.num_slots, swa=d.full_to_swa_index_mapping is not None,
-                        batch_index=b, request_row=int(d.req_pool_indices[b]), **where)
+                        batch_index=b, request_row=row, **where,
+                        **_block_of(d, row, where["position"]))
 
     def fill(self, result: "AuditResult") -> None:
         result.total_violations = self.total
@@ -675,12 +685,22 @@ class _Tally:
         result.unattributed = self.unattributed
 
 
+def _block_of(d: Dump, row: int, position: int) -> dict:
+    """Where a paged dump's position goes through its block table (nothing for per-token)."""
+    if d.block_table is None:
+        return {}
+    index = position // d.block_size
+    inside = 0 <= row < d.block_table.shape[0] and index < d.block_table.shape[1]
+    return {"block_index": index, "block": int(d.block_table[row, index]) if inside else -1}
+
+
 def _finding(v: Violation, kind: str, num_slots: int, swa: bool = False, **where) -> Finding:
     position = where.get("position", v.position)
     prev = where.get("prev_slot", -1)
+    table = "block_table" if where.get("block_index", -1) >= 0 else "req_to_token"
     return Finding(violation=v, kind=kind, checks=failed_checks(v.fail_reason_bits),
                    cause=likely_cause(v, position=position, prev_slot=prev, num_slots=num_slots,
-                                      swa=swa),
+                                      swa=swa, table=table),
                    **where)
 
 

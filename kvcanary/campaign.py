@@ -90,6 +90,9 @@ DEFAULT_CLEAN_RUNS = 200
 MAX_REPORTED = 25   # misses and false positives kept in full
 
 
+LAYOUTS = ("per-token", "paged")
+
+
 class CampaignError(ValueError):
     """A bad campaign option (the message names it) or an unusable backend."""
 
@@ -556,9 +559,18 @@ def _yield(target: str, kind: str, mode: str, scope: str, sources_share: float =
 
 def run_campaign(*, faults_per_kind: int = DEFAULT_FAULTS_PER_KIND,
                  clean_runs: int = DEFAULT_CLEAN_RUNS, seed: int = 0,
-                 backend: str = "auto", jobs: int | None = None,
+                 backend: str = "auto", jobs: int | None = None, layout: str = "per-token",
                  progress=None) -> CampaignReport:
-    """Run the campaign; ``progress(phase, done, total)`` is called as runs finish."""
+    """Run the campaign; ``progress(phase, done, total)`` is called as runs finish.
+    ``layout="paged"`` plays paged engines (block tables) with the paged fault forms, without
+    target classes (:mod:`kvcanary.campaign_paged`)."""
+    if layout not in LAYOUTS:
+        raise CampaignError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "paged":
+        from . import campaign_paged
+        return campaign_paged.run_campaign(faults_per_kind=faults_per_kind,
+                                           clean_runs=clean_runs, seed=seed, backend=backend,
+                                           jobs=jobs, layout=layout, progress=progress)
     if faults_per_kind < 1:
         raise CampaignError(f"--faults-per-kind must be at least 1, got {faults_per_kind}")
     if clean_runs < 0:
@@ -843,6 +855,9 @@ def render_text(report: CampaignReport) -> str:
 
 
 def render(report: CampaignReport, fmt: str) -> str:
+    if getattr(report, "layout", "per-token") == "paged":
+        from . import campaign_paged
+        return campaign_paged.render(report, fmt)
     if fmt == "markdown":
         return render_markdown(report)
     if fmt == "json":

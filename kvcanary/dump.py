@@ -53,10 +53,12 @@ class Dump:
     path: str
     flavour: str
     canary: np.ndarray
-    req_to_token: np.ndarray
+    req_to_token: np.ndarray | None   # None in a paged dump, which holds block_table instead
     req_pool_indices: np.ndarray
     seq_lens: np.ndarray
     launch_tag: LaunchTag = LaunchTag.TAIL_K_FULL
+    block_table: np.ndarray | None = None
+    block_size: int = 1
     real_kv: tuple = ()
     real_kv_params: np.ndarray | None = None
     real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE
@@ -76,6 +78,22 @@ class Dump:
     @property
     def batch_size(self) -> int:
         return int(self.req_pool_indices.shape[0])
+
+    @property
+    def slot_table(self) -> np.ndarray:
+        """The table the dump holds: ``req_to_token``, or ``block_table`` in a paged dump."""
+        return self.req_to_token if self.block_table is None else self.block_table
+
+    @property
+    def table_positions(self) -> int:
+        """Positions a row of the slot table covers."""
+        return int(self.slot_table.shape[1]) * self.block_size
+
+    def plan_table(self, convert=lambda array: array) -> dict:
+        """The slot-table keywords of ``kvcanary.plan`` (arrays through ``convert``)."""
+        if self.block_table is None:
+            return {"req_to_token": convert(self.req_to_token)}
+        return {"block_table": convert(self.block_table), "block_size": self.block_size}
 
     @property
     def num_sweep_entries(self) -> int:
@@ -611,8 +629,7 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
         canary = np.ascontiguousarray(canary)
     canary = _aligned(canary, 8)  # records are read as int64 fields
 
-    req_to_token = c.integer("req_to_token", c.get("req_to_token", required=True),
-                             (np.int32, np.int64), 2)
+    req_to_token, block_table, block_size = _load_slot_table(c)
     rows = c.integer("req_pool_indices", c.get("req_pool_indices", required=True), (np.int64,), 1)
     bs = rows.shape[0]
     seq_lens = c.integer("seq_lens", c.get("seq_lens", required=True), (np.int64,), 1, (bs,))
@@ -620,16 +637,19 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     c.nonnegative("seq_lens", seq_lens)
     # Positions past the table are findings (out of the table), but a length far past it is
     # a corrupt value that would make the audit enumerate up to 2**63 entries.
-    width = int(req_to_token.shape[1])
+    dump = Dump(path=path, flavour=flavour, canary=canary, req_to_token=req_to_token,
+                req_pool_indices=rows, seq_lens=seq_lens, block_table=block_table,
+                block_size=block_size)
+    width = dump.table_positions
     over = np.flatnonzero((np.asarray(rows) != 0) & (np.asarray(seq_lens) > 2 * width))
     if over.size:
         index = int(over[0])
+        covered = (f"req_to_token's width {width}" if block_table is None else
+                   f"the {width} positions block_table covers ({block_table.shape[1]} blocks of "
+                   f"{block_size})")
         c.fail("seq_lens", f"seq_lens[{index}] = {int(seq_lens[index])} is more than twice "
-                           f"req_to_token's width {width}: a corrupt length (positions past the "
+                           f"{covered}: a corrupt length (positions past the "
                            "table are reported as findings up to twice its width)")
-
-    dump = Dump(path=path, flavour=flavour, canary=canary, req_to_token=req_to_token,
-                req_pool_indices=rows, seq_lens=seq_lens)
 
     tag = c.get("launch_tag", required=False)
     if tag is not None:
@@ -644,7 +664,8 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     _load_expected(c, dump, bs)
     _load_sweep(c, dump)
 
-    known = {VERSION_KEY, "canary", "req_to_token", "req_pool_indices", "seq_lens", "launch_tag",
+    known = {VERSION_KEY, "canary", "req_to_token", "block_table", "block_size",
+             "req_pool_indices", "seq_lens", "launch_tag",
              "real_kv_params", "real_kv_hash_mode", "swa_window_size", "full_to_swa_index_mapping",
              "expected_tokens", "expected_tokens_valid_lens", "sweep_slot_indices",
              "sweep_prev_slot_indices", "sweep_positions"}
@@ -655,6 +676,26 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
             value = str(value[()])  # (invalid unicode stays an array: audit ignores extras)
         dump.extra[key] = value
     return dump
+
+
+def _load_slot_table(c: _Checker) -> tuple:
+    """``(req_to_token, block_table, block_size)``: a dump holds exactly one of the tables."""
+    if "block_table" not in c.values:
+        if "block_size" in c.values:
+            c.fail("block_size", "goes with block_table, but the dump holds req_to_token")
+        if "req_to_token" not in c.values:
+            c.fail("req_to_token", "missing: a dump needs req_to_token, or block_table with "
+                                   "block_size (required by dump format v1)")
+        table = c.integer("req_to_token", c.get("req_to_token", required=True),
+                          (np.int32, np.int64), 2)
+        return table, None, 1
+    if "req_to_token" in c.values:
+        c.fail("block_table", "a dump holds one of req_to_token or block_table, not both")
+    table = c.integer("block_table", c.get("block_table", required=True), (np.int32, np.int64), 2)
+    block_size = c.scalar_int("block_size", c.get("block_size", required=True))
+    if block_size < 1:
+        c.fail("block_size", f"must be >= 1, got {block_size}")
+    return None, table, block_size
 
 
 def _load_real_kv(c: _Checker, dump: Dump) -> None:
@@ -726,7 +767,7 @@ def _load_expected(c: _Checker, dump: Dump, bs: int) -> None:
     if pool is None:
         return
     dump.expected_tokens = c.integer("expected_tokens", pool, (np.int32, np.int64), 2,
-                                     (dump.req_to_token.shape[0], None))
+                                     (dump.slot_table.shape[0], None))
     dump.expected_tokens_valid_lens = c.integer("expected_tokens_valid_lens", lens, (np.int64,),
                                                 1, (bs,))
     c.nonnegative("expected_tokens_valid_lens", lens)

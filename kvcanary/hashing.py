@@ -78,15 +78,16 @@ def mix3_inplace(acc: np.ndarray, b, c) -> np.ndarray:
     return splitmix64_inplace(acc)
 
 
-# Elements per in-place block: long arrays are hashed in cache-sized pieces.
-_BLOCK = 1 << 16
+# Elements per in-place block: long arrays are hashed in cache-sized pieces. Read at
+# call time, so tests shrink it to cross block edges with small arrays.
+BLOCK_ENTRIES = 1 << 16
 
 
 def link_inplace(prev_hash: np.ndarray, token: np.ndarray, position: np.ndarray) -> np.ndarray:
     """``prev_hash = link(prev_hash, token, position)`` over uint64 arrays, in place,
     block by block so the eight passes of each SplitMix64 stay in cache."""
-    for begin in range(0, prev_hash.shape[0], _BLOCK):
-        end = begin + _BLOCK
+    for begin in range(0, prev_hash.shape[0], BLOCK_ENTRIES):
+        end = begin + BLOCK_ENTRIES
         mix3_inplace(prev_hash[begin:end], token[begin:end], position[begin:end])
     return prev_hash
 

@@ -17,7 +17,8 @@ import numpy as np
 
 from . import api
 from .consts import FailReason, LaunchTag, RealKvHashMode
-from .types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
+from .types import (CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan,
+                    check_source_bound)
 
 NUM_SLOTS = 8192
 BATCH = 8
@@ -166,9 +167,7 @@ FAULTS = ("token", "position", "prev_hash", "real_kv_byte", "out_of_range_slot")
 
 def run_smoke(max_real_kv_sources: int = 4, *, xp=None, device=None, seed: int = 0) -> SmokeReport:
     """Run the smoke test; ``xp``/``device`` default to cupy and kvcanary's API."""
-    from .cuda.launch import check_bound
-
-    bound = check_bound(max_real_kv_sources)
+    bound = check_source_bound(max_real_kv_sources)
     report = SmokeReport(bound)
     sync = lambda: None  # noqa: E731
     if xp is None:

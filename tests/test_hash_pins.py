@@ -85,18 +85,30 @@ def test_signed_views():
     assert signed(0x6041580849E6407D) == 6935921693750083709
 
 
+def _legacy_xor_chain(tokens, positions) -> list:
+    """Upstream's older chain, ``prev_{i+1} = splitmix64(prev_i ^ tok_i ^ pos_i)``."""
+    chain = [H0]
+    for tok, pos in zip(tokens[:-1], positions[:-1]):
+        chain.append(kc.splitmix64(chain[-1] ^ tok ^ pos))
+    return chain
+
+
 def test_legacy_xor_chain_100_steps_is_not_the_newest_chain():
-    # testdata/chain_100_steps.json (legacy XOR chain), upstream's pins: first, second, last
-    prev = H0
-    chain = [prev]
-    for i in range(99):
-        tok = (i * 0x9E3779B97F4A7C15) & 0x7FFFFFFF
-        prev = kc.splitmix64(prev ^ tok ^ i)
-        chain.append(prev)
-    assert chain[0] == 0xDE7FAE23A9A1B716
-    assert chain[1] == 0xF0F807B576DF665D
-    assert chain[-1] == 0x228B3F78A6FF1E32
-    assert kc.splitmix64_mix3(H0, 0, 0) != chain[1]
+    """Upstream pinned the older XOR chain over 100 steps (tokens
+    ``(i * 0x9E3779B97F4A7C15) & 0x7FFFFFFF``, positions ``i``) by its first, second and
+    last prev hashes. kc.write over the same steps must store the newest (mix3) chain,
+    which shares only the head."""
+    positions = list(range(100))
+    tokens = [(i * 0x9E3779B97F4A7C15) & 0x7FFFFFFF for i in positions]
+    legacy = _legacy_xor_chain(tokens, positions)
+    assert (legacy[0], legacy[1], legacy[-1]) == (
+        0xDE7FAE23A9A1B716, 0xF0F807B576DF665D, 0x228B3F78A6FF1E32)
+    ctx = make_context(num_slots=101)
+    write_tokens(ctx, list(range(1, 101)), tokens, positions)
+    stored = [int(v) & M for v in fields(ctx.canary_buf)[1:101, 2]]
+    assert stored[0] == legacy[0] == H0
+    assert all(new != old for new, old in zip(stored[1:], legacy[1:]))
+    assert stored[1] == kc.splitmix64_mix3(H0, tokens[0], 0)
 
 
 # ------------------------------------------------------------ chains through kc.write

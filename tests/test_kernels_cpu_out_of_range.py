@@ -61,7 +61,7 @@ def test_write_seed_and_slot_outside_buffer():
     assert counters(ctx)[1] == 3
 
 
-@pytest.mark.parametrize("offsets,bad", [([0, 3, 9], 9), ([-2, 1, 2], -2)])
+@pytest.mark.parametrize("offsets,bad", [([0, 3, 9], 9), ([-2, 1, 2], -2), ([0, 9, 9], 9)])
 def test_write_request_range_outside_token_arrays(offsets, bad):
     ctx = make_context(num_slots=8)
     plan = kc.WritePlan.allocate(2)

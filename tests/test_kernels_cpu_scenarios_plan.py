@@ -5,10 +5,11 @@ assertions also run, now on the kernels' results."""
 
 import pytest
 
-from kernel_harness.fixtures import cpu_kernels, kernels_behind_numpy  # noqa: F401
+from kernel_harness.fixtures import assert_compared, cpu_kernels, kernels_behind_numpy  # noqa: F401
 from test_reference_plan import *  # noqa: F401,F403  (re-collect the scenarios here)
 
 
 @pytest.fixture(autouse=True)
 def _kernels(kernels_behind_numpy):  # noqa: F811
     yield
+    assert_compared(kernels_behind_numpy)

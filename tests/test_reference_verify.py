@@ -124,6 +124,8 @@ def test_real_kv_flipped_byte_is_exactly_real_kv():
 @pytest.mark.parametrize("where", [0, 2, 4])
 @pytest.mark.parametrize("ring", ["open", "full"])
 def test_injection_matrix(kind, where, ring):
+    """Exactly the planted check fires (open ring: the rows; full ring: earlier rows stay,
+    the index counts exactly those rows, and an open twin of the context shows them)."""
     sources = make_sources(1, 8, fill="random")
     ctx = make_context(num_slots=8, ring_capacity=4, sources=sources, mode=PARTIAL)
     plan = five_step_chain(ctx)
@@ -132,21 +134,26 @@ def test_injection_matrix(kind, where, ring):
         for _ in range(4):
             kc.verify(ctx, make_verify_plan([1], [77], [-1]))
         assert counters(ctx)[0] == 4
+    earlier = ring_rows(ctx)
     if kind == "position":
         plan.verify_expected_positions[where] += 3
-        bit = POSITION
+        expected = [(slot, POSITION)]
     elif kind == "prev_hash":
         fields(ctx.canary_buf)[slot, 2] ^= 0x40
-        bit = CHAIN
+        expected = [(slot, CHAIN)] + ([(slot + 1, CHAIN)] if where < 4 else [])
     else:
         source_slot_bytes(sources[0], slot)[5] ^= 0x80
-        bit = REAL_KV
+        expected = [(slot, REAL_KV)]
+    twin = make_context(num_slots=8, sources=sources, mode=PARTIAL,
+                        canary=ctx.canary_buf.copy())
+    kc.verify(twin, plan)
+    assert [(r[1], r[7]) for r in ring_rows(twin)] == expected
     kc.verify(ctx, plan)
     if ring == "open":
-        assert any(r[1] == slot and r[7] & bit for r in ring_rows(ctx))
+        assert [(r[1], r[7]) for r in ring_rows(ctx)] == expected
     else:
-        assert counters(ctx)[0] > 4
-        assert len(ring_rows(ctx)) == 4
+        assert ring_rows(ctx) == earlier  # fill-once: nothing overwritten
+        assert counters(ctx)[0] == 4 + len(expected)
 
 
 def test_head_stored_position_10_vs_plan_99_is_position_without_chain():

@@ -259,12 +259,12 @@ def _lut_args(lut) -> list:
     return [_NULL, _i64(0)] if lut is None else [lut, _i64(lut.shape[0])]
 
 
-def plan_rows_args(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+def plan_rows_args(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, block_size,
                    full_to_swa_index_mapping, swa_window_size, verify_plan, write_plan,
                    verify_offsets_scratch) -> list:
     return [
         req_pool_indices, prefix_lens, extend_seq_lens, _i64(req_pool_indices.shape[0]),
-        *_table_args(req_to_token),
+        *_table_args(req_to_token), _i64(block_size),
         *_lut_args(full_to_swa_index_mapping), _i64(swa_window_size),
         verify_offsets_scratch, _i64(verify_plan.verify_capacity),
         write_plan.write_offsets, _i64(write_plan.write_req_capacity),
@@ -280,13 +280,13 @@ def plan_offsets_args(*, bs, verify_plan, write_plan, verify_offsets_scratch) ->
     ]
 
 
-def plan_entries_args(*, req_pool_indices, prefix_lens, req_to_token, full_to_swa_index_mapping,
-                      swa_window_size, req_to_verify_expected_tokens,
+def plan_entries_args(*, req_pool_indices, prefix_lens, req_to_token, block_size,
+                      full_to_swa_index_mapping, swa_window_size, req_to_verify_expected_tokens,
                       req_to_verify_expected_tokens_valid_lens, kv_token_id_vs_position_offset,
                       verify_plan, verify_offsets_scratch) -> list:
     return [
         req_pool_indices, prefix_lens, _i64(req_pool_indices.shape[0]),
-        *_table_args(req_to_token),
+        *_table_args(req_to_token), _i64(block_size),
         *_lut_args(full_to_swa_index_mapping), _i64(swa_window_size),
         *_table_args(req_to_verify_expected_tokens),
         _or_null(req_to_verify_expected_tokens_valid_lens), _i64(kv_token_id_vs_position_offset),
@@ -336,12 +336,15 @@ class Launcher:
     def plan(self, *, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, verify_plan,
              write_plan, swa_window_size=0, full_to_swa_index_mapping=None,
              req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
-             kv_token_id_vs_position_offset=0) -> None:
+             kv_token_id_vs_position_offset=0, block_size=1) -> None:
+        """``req_to_token`` is the slot table: per-token, or a block table when
+        ``block_size`` is above 1."""
         bs = int(req_pool_indices.shape[0])
         scratch = write_plan.plan_offsets_scratch  # bs + 1 <= write_req_capacity + 1 entries
         key = ("plan", None, False)
         common = dict(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
-                      req_to_token=req_to_token, full_to_swa_index_mapping=full_to_swa_index_mapping,
+                      req_to_token=req_to_token, block_size=block_size,
+                      full_to_swa_index_mapping=full_to_swa_index_mapping,
                       swa_window_size=swa_window_size, verify_offsets_scratch=scratch)
         rows_work = max(bs, write_plan.write_req_capacity + 1)
         self._run(key, "kvc_plan_rows", self._grid(rows_work), plan_rows_args(

@@ -11,6 +11,10 @@ Per batch row r with table row rp, prefix P and extend E, the rules:
   write          offsets = exclusive prefix sum of E over active rows, seed
                  T(table[rp, P-1]) when P > 0 and E > 0, else -1; num_valid_reqs = bs
   T              the SWA LUT when given (negative slots pass through)
+  table[rp, pos] a per-token table's entry, or from a block table with block size B:
+                 block b = table[rp, pos // B], slot b * B + pos % B; the null block 0
+                 gives slot 0 (padding) at every offset; a slot past int64 gives the
+                 out-of-table marker. B = 1 is the per-token table.
   out of table   kvcanary extension: a table read outside the table yields the marker
                  PLAN_SLOT_OUT_OF_TABLE, which verify and write report as out of range
 """
@@ -28,13 +32,67 @@ def window_start(prefix_lens: np.ndarray, swa_window_size: int) -> np.ndarray:
     return np.zeros_like(prefix_lens)
 
 
-def table_slots(req_to_token: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """``req_to_token[rows, cols]`` as int64; reads outside the table give the marker."""
-    inside = ((rows >= 0) & (rows < req_to_token.shape[0])
-              & (cols >= 0) & (cols < req_to_token.shape[1]))
+def table_slots(table: np.ndarray, rows: np.ndarray, positions: np.ndarray,
+                block_size: int = 1) -> np.ndarray:
+    """The slot of each (row, position) as int64; reads outside the table give the marker."""
+    if block_size == 1:
+        return table_entries(table, rows, positions)
+    blocks = table_entries(table, rows, positions // block_size)
+    return block_slots(blocks, positions % block_size, block_size)
+
+
+def table_entries(table: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``table[rows, cols]`` as int64; reads outside the table give the marker."""
+    inside = ((rows >= 0) & (rows < table.shape[0]) & (cols >= 0) & (cols < table.shape[1]))
     result = np.full(rows.shape, PLAN_SLOT_OUT_OF_TABLE, dtype=np.int64)
-    result[inside] = req_to_token[rows[inside], cols[inside]]
+    result[inside] = table[rows[inside], cols[inside]]
     return result
+
+
+def block_slots(blocks: np.ndarray, offsets: np.ndarray, block_size: int) -> np.ndarray:
+    """Slot ``block * block_size + offset``; the null block 0 gives padding slot 0, the
+    marker stays the marker, and so does a block whose slots do not fit int64."""
+    fits = (blocks <= (PLAN_SLOT_OUT_OF_TABLE - (block_size - 1)) // block_size) \
+        & (blocks >= -((1 << 63) // block_size))
+    slots = np.where(fits, blocks, 0) * block_size + offsets
+    slots[~fits] = PLAN_SLOT_OUT_OF_TABLE
+    slots[blocks == 0] = 0
+    return slots
+
+
+def paged_entries(block_table, block_size, row, start, verify_len, position, lut) -> tuple:
+    """Slots and predecessors of the verify entries from a block table, a block at a time:
+    a row's entries are the consecutive positions ``[start, start + verify_len)``, so each
+    block is read once, and each predecessor is the slot of the entry before it (the row's
+    first entry reads its own)."""
+    nonempty = np.flatnonzero(verify_len > 0)
+    first, count, table_row = start[nonempty], verify_len[nonempty], row[nonempty]
+    first_block = first // block_size
+    blocks_per_row = (first + count - 1) // block_size - first_block + 1
+    block_row = np.repeat(table_row, blocks_per_row)
+    row_offsets = np.cumsum(blocks_per_row) - blocks_per_row
+    block_index = np.repeat(first_block - row_offsets, blocks_per_row) + np.arange(
+        int(blocks_per_row.sum()))
+    base = block_slots(table_entries(block_table, block_row, block_index), 0, block_size)
+    begin = block_index * block_size
+    entries_per_block = (np.minimum(np.repeat(first + count, blocks_per_row), begin + block_size)
+                         - np.maximum(np.repeat(first, blocks_per_row), begin))
+    expanded = np.repeat(base, entries_per_block)
+    slot = expanded + position % block_size
+    special = (base == 0) | (base == PLAN_SLOT_OUT_OF_TABLE)   # the null block, the marker
+    if special.any():
+        keep = np.repeat(special, entries_per_block)
+        slot[keep] = expanded[keep]
+    slot = translate(slot, lut)
+    heads = np.cumsum(count) - count
+    head_prev = np.full(heads.shape, -1, dtype=np.int64)
+    has_prev = first > 0
+    head_prev[has_prev] = translate(
+        table_slots(block_table, table_row[has_prev], first[has_prev] - 1, block_size), lut)
+    prev = np.empty_like(slot)
+    prev[1:] = slot[:-1]
+    prev[heads] = head_prev
+    return slot, prev
 
 
 def translate(slots: np.ndarray, lut) -> np.ndarray:
@@ -67,11 +125,32 @@ def expected_tokens(pool, valid_lens, batch_row, table_row, position, offset) ->
     return result
 
 
+def verify_entries(table, block_size, lut, row, start, verify_len, total, pool, valid_lens,
+                   offset) -> tuple:
+    """Slot, expected position, predecessor slot and expected token of every entry."""
+    batch_row = np.repeat(np.arange(row.shape[0]), verify_len)
+    offsets = np.cumsum(verify_len) - verify_len
+    position = start[batch_row] + (np.arange(total) - offsets[batch_row])
+    table_row = row[batch_row]
+    if block_size == 1:
+        slot = translate(table_slots(table, table_row, position), lut)
+        prev = np.full(total, -1, dtype=np.int64)
+        has_prev = position > 0
+        prev[has_prev] = translate(
+            table_slots(table, table_row[has_prev], position[has_prev] - 1), lut)
+    else:
+        slot, prev = paged_entries(table, block_size, row, start, verify_len, position, lut)
+    return slot, position, prev, expected_tokens(pool, valid_lens, batch_row, table_row,
+                                                 position, offset)
+
+
 def plan_reference(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
                    verify_plan, write_plan, swa_window_size=0, full_to_swa_index_mapping=None,
                    req_to_verify_expected_tokens=None,
                    req_to_verify_expected_tokens_valid_lens=None,
-                   kv_token_id_vs_position_offset=0) -> None:
+                   kv_token_id_vs_position_offset=0, block_size=1) -> None:
+    """``req_to_token`` is the slot table: per-token, or a block table when ``block_size``
+    is above 1 (a block table with block size 1 is a per-token table)."""
     lut = full_to_swa_index_mapping
     bs = req_pool_indices.shape[0]
     row = req_pool_indices
@@ -83,35 +162,30 @@ def plan_reference(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_tok
     verify_len = np.where(active, np.clip(prefix_lens - start, 0, capacity + 1), 0)
     total = int(verify_len.sum())
 
-    if total > capacity:
+    # Every translation (the step that can raise) runs before any output changes, so a
+    # call that raises leaves both plans as they were.
+    entries = None if total > capacity else verify_entries(
+        req_to_token, block_size, lut, row, start, verify_len, total,
+        req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+        kv_token_id_vs_position_offset)
+    seeded = np.flatnonzero(active & (prefix_lens > 0) & (extend_seq_lens > 0))
+    seeds = np.full(bs, -1, dtype=np.int64)
+    seeds[seeded] = translate(
+        table_slots(req_to_token, row[seeded], prefix_lens[seeded] - 1, block_size), lut)
+
+    if entries is None:
         verify_plan.verify_num_valid[0] = capacity
         verify_plan.enable[0] = 0
     else:
         verify_plan.verify_num_valid[0] = total
         verify_plan.enable[0] = 1
-        batch_row = np.repeat(np.arange(bs), verify_len)
-        offsets = np.cumsum(verify_len) - verify_len
-        position = start[batch_row] + (np.arange(total) - offsets[batch_row])
-        table_row = row[batch_row]
-        slot = translate(table_slots(req_to_token, table_row, position), lut)
-        prev = np.full(total, -1, dtype=np.int64)
-        has_prev = position > 0
-        prev[has_prev] = translate(
-            table_slots(req_to_token, table_row[has_prev], position[has_prev] - 1), lut)
-        verify_plan.verify_slot_indices[:total] = slot
-        verify_plan.verify_expected_positions[:total] = position
-        verify_plan.verify_prev_slot_indices[:total] = prev
-        verify_plan.verify_expected_tokens[:total] = expected_tokens(
-            req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
-            batch_row, table_row, position, kv_token_id_vs_position_offset)
+        (verify_plan.verify_slot_indices[:total], verify_plan.verify_expected_positions[:total],
+         verify_plan.verify_prev_slot_indices[:total],
+         verify_plan.verify_expected_tokens[:total]) = entries
 
     write_len = np.where(active, np.maximum(0, extend_seq_lens), 0)
     write_plan.write_offsets[0] = 0
     write_plan.write_offsets[1:bs + 1] = np.cumsum(write_len)
     write_plan.write_offsets[bs + 1:] = 0
-    seeded = np.flatnonzero(active & (prefix_lens > 0) & (extend_seq_lens > 0))
-    seeds = np.full(bs, -1, dtype=np.int64)
-    seeds[seeded] = translate(
-        table_slots(req_to_token, row[seeded], prefix_lens[seeded] - 1), lut)
     write_plan.write_seed_slot_indices[:bs] = seeds
     write_plan.write_num_valid_reqs[0] = bs

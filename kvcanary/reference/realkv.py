@@ -13,8 +13,9 @@ from ..consts import RealKvHashMode
 from ..hashing import splitmix64_inplace
 
 # Slots hashed per gather: keeps the temporary byte copy (chunk x read bytes) and the
-# fold's passes over it in cache.
-_CHUNK_SLOTS = 1 << 13
+# fold's passes over it in cache. Read at call time, so tests shrink it to cross chunk
+# edges with small buffers.
+CHUNK_SLOTS = 1 << 13
 
 
 def slot_bytes(source, slots: np.ndarray, num_bytes: int) -> np.ndarray:
@@ -48,9 +49,9 @@ def real_kv_hash(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndarray
     result = np.zeros(slots.shape[0], dtype=np.uint64)
     if mode == RealKvHashMode.NONE or not sources:
         return result
-    for begin in range(0, slots.shape[0], _CHUNK_SLOTS):
-        chunk = slots[begin:begin + _CHUNK_SLOTS]
-        acc = result[begin:begin + _CHUNK_SLOTS]
+    for begin in range(0, slots.shape[0], CHUNK_SLOTS):
+        chunk = slots[begin:begin + CHUNK_SLOTS]
+        acc = result[begin:begin + CHUNK_SLOTS]
         for source in sources:
             acc ^= fold_source(source, chunk, source.effective_read_bytes(mode))
             splitmix64_inplace(acc)

@@ -4,7 +4,8 @@ The parts of a serving engine, one module each:
 
 * ``allocator``: the slot allocator (pages of ``page_size`` slots, LIFO free list, page 0
   never handed out; SWA slots and the full-to-SWA map under a sliding window). Slots are
-  handed out and freed here.
+  handed out and freed here. A paged engine's blocks are its pages.
+* ``tables``: the request-to-slot table, per-token ``req_to_token`` or a block table.
 * ``prefix_cache``: the radix-style prefix cache of full blocks, shared by reference count,
   evicted least recently used.
 * ``workload``: the requests (shared system prompts, follow-ups of earlier conversations).
@@ -13,6 +14,7 @@ The parts of a serving engine, one module each:
   step (plan, periodic verify, TAIL write); a violation in the honest run raises.
 * ``faults``: fault injection into the final state, at target classes (request heads, last
   tokens, window heads, chunk boundaries, shared and cached prefix blocks, the interior).
+* ``faults_paged``: a paged engine's faults (whole blocks lost; interior entries only).
 * ``dump_writer``: the dump keys of a run (live requests, cache blocks as sweep entries,
   ground truth under ``synth_`` keys).
 * ``scoring``: ground truth read back from a dump and matched against an audit's findings.
@@ -24,14 +26,15 @@ launch on the CUDA kernels (the library moves the arrays per launch, so keep suc
 
 from .config import MAX_SEED, MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
 from .engine import Synthesis, synthesize
-from .faults import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, TARGET_CLASSES,
-                     TARGET_DESCRIPTIONS, Fault, Site, inapplicable_kinds, parse_inject,
-                     site_bits)
+from .faults import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, PAGED_FAULT_DESCRIPTIONS,
+                     PAGED_FAULT_KINDS, TARGET_CLASSES, TARGET_DESCRIPTIONS, Fault, Site,
+                     fault_kinds, inapplicable_kinds, parse_inject, site_bits)
 from .scoring import FaultOutcome, fault_note, faults_from_dump, score
 
 __all__ = [
-    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MAX_SEED", "MODES", "SOURCE_DTYPES",
-    "TARGET_CLASSES", "TARGET_DESCRIPTIONS", "Fault", "FaultOutcome", "Site", "Stats",
-    "SynthConfig", "SynthError", "Synthesis", "fault_note", "faults_from_dump",
-    "inapplicable_kinds", "parse_inject", "score", "site_bits", "synthesize",
+    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MAX_SEED", "MODES",
+    "PAGED_FAULT_DESCRIPTIONS", "PAGED_FAULT_KINDS", "SOURCE_DTYPES", "TARGET_CLASSES",
+    "TARGET_DESCRIPTIONS", "Fault", "FaultOutcome", "Site", "Stats", "SynthConfig", "SynthError",
+    "Synthesis", "fault_kinds", "fault_note", "faults_from_dump", "inapplicable_kinds",
+    "parse_inject", "score", "site_bits", "synthesize",
 ]

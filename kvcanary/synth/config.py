@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -42,6 +42,16 @@ class SynthConfig:
     verify_every: int = 8
     seed: int = 0
     backend: str = "numpy"
+    # > 0: a paged engine with blocks of this many slots (its pages), dumping a block table.
+    block_size: int = 0
+
+    def __post_init__(self):
+        if self.block_size > 0 and self.page_size == 1:
+            self.page_size = self.block_size
+
+    @property
+    def paged(self) -> bool:
+        return self.block_size > 0
 
     def validate(self) -> None:
         def need(ok, message):
@@ -51,6 +61,10 @@ class SynthConfig:
         need(self.requests >= 1, f"--requests must be at least 1, got {self.requests}")
         need(self.max_running >= 1, f"--max-running must be at least 1, got {self.max_running}")
         need(self.page_size >= 1, f"--page-size must be at least 1, got {self.page_size}")
+        need(self.block_size >= 0, f"--block-size must be >= 0, got {self.block_size}")
+        need(not self.paged or self.page_size == self.block_size,
+             f"--block-size {self.block_size} is the paged engine's page size; --page-size "
+             f"{self.page_size} contradicts it (leave it out)")
         need(self.swa_window >= 0, f"--swa-window must be >= 0, got {self.swa_window}")
         need(0 <= self.sources <= 64, f"--sources must be in [0, 64], got {self.sources}")
         need(self.bytes_per_token >= 16 and self.bytes_per_token % 16 == 0,
@@ -92,6 +106,13 @@ class SynthConfig:
     @property
     def hash_mode(self) -> RealKvHashMode:
         return RealKvHashMode[self.mode.upper()]
+
+    def record(self) -> dict:
+        """The options as the dump records them (a per-token run leaves block_size out)."""
+        values = asdict(self)
+        if not self.paged:
+            del values["block_size"]
+        return values
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .faults import FAULT_KINDS, PAIR_SHAPES, SWEEP, TARGET_CLASSES
+from .faults import PAIR_SHAPES, SWEEP, TARGET_CLASSES, fault_kinds
 from .prefix_cache import SweepIndex
 
 
@@ -34,7 +34,7 @@ def dump_arrays(synthesis) -> dict:
     rows, seq_lens = live_requests(s.running)
     out = {
         "canary": s.canary,
-        "req_to_token": s.table,
+        **s.scheduler.table.dump_keys(),
         "req_pool_indices": rows,
         "seq_lens": seq_lens,
         "launch_tag": s.pool.tag.name,
@@ -54,14 +54,17 @@ def dump_arrays(synthesis) -> dict:
     sweep = sweep_entries(s.cache, s.lut)
     if sweep is not None:
         out["sweep_slot_indices"], out["sweep_prev_slot_indices"], out["sweep_positions"] = sweep
-    out["synth_config"] = json.dumps(asdict(c), sort_keys=True)
+    out["synth_config"] = json.dumps(c.record(), sort_keys=True)
     out["synth_stats"] = json.dumps(asdict(s.stats), sort_keys=True)
-    out["synth_fault_kinds"] = ",".join(FAULT_KINDS)
+    kinds = fault_kinds(c.paged)
+    out["synth_fault_kinds"] = ",".join(kinds)
     f = s.faults
-    out["synth_fault_kind"] = np.array([FAULT_KINDS.index(x.kind) for x in f], dtype=np.int64)
+    out["synth_fault_kind"] = np.array([kinds.index(x.kind) for x in f], dtype=np.int64)
     for name in ("batch_index", "request_row", "position", "slot", "expected_bits", "detail"):
         out[f"synth_fault_{name}"] = np.array([getattr(x, name) for x in f], dtype=np.int64)
     out["synth_fault_visible"] = np.array([int(x.visible) for x in f], dtype=np.int64)
+    if c.paged:
+        return out   # paged faults are scored at their target entry (no classes, no sites)
     targets = TARGET_CLASSES + PAIR_SHAPES
     out["synth_fault_targets"] = ",".join(targets)
     out["synth_fault_target"] = np.array([targets.index(x.target) for x in f], dtype=np.int64)

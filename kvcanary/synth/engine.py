@@ -11,6 +11,7 @@ from .allocator import SlotAllocator
 from .config import Stats, SynthConfig, SynthError
 from .dump_writer import dump_arrays, live_requests, sweep_entries
 from .faults import DEFAULT_TARGET, FaultInjector
+from .faults_paged import PagedFaultInjector
 from .kv_pool import KvPool
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
@@ -33,10 +34,10 @@ class Synthesis:
         self.scheduler = Scheduler(c, self.allocator, self.cache, self.workload, self.pool,
                                    self.stats)
         self.faults: list = []
-        self.injector = FaultInjector(self)
+        self.injector = PagedFaultInjector(self) if c.paged else FaultInjector(self)
 
     # The state readers (tests, the CLI, fault injection) look at.
-    table = property(lambda self: self.scheduler.table)
+    table = property(lambda self: self.scheduler.table.array)   # req_to_token or block_table
     token_pool = property(lambda self: self.scheduler.token_pool)
     running = property(lambda self: self.scheduler.running)
     admitted = property(lambda self: self.scheduler.admitted)

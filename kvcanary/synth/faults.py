@@ -12,8 +12,9 @@ its successor's chain link. Candidates are filtered without random draws and a f
 gives its draws back, so ``inject(kind, n)`` after ``k`` placed faults of a kind that ran out
 leaves the generator exactly where ``inject(kind, k)`` would have.
 
-A target class is a mask over the verify entries of the final state (``_class_masks``); a
-paged layout's block classes (first and last slot of a block) are two more masks there.
+A target class is a mask over the verify entries of the final state (``_class_masks``). A
+paged engine's faults are placed by :mod:`.faults_paged` (interior entries of request-owned
+blocks); block-first and block-last classes would be two more masks here.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ FAULT_DESCRIPTIONS = {
     "stale-reuse": "a slot reallocated and rewritten while a live request still maps it",
     "slot-zero": "a live table entry mapped to padding slot 0",
     "lost-write": "a token's canary record and KV never written",
+}
+PAGED_FAULT_KINDS = FAULT_KINDS + ("evicted-block",)
+PAGED_FAULT_DESCRIPTIONS = {
+    **FAULT_DESCRIPTIONS,
+    "alias": "a block-table entry points at another request's block",
+    "swap": "two block-table entries of one request exchanged",
+    "stale-reuse": "a block freed while still referenced, reallocated and rewritten",
+    "slot-zero": "a live block-table entry set to the null block 0",
+    "evicted-block": "a cached block evicted while live requests map it, then rewritten",
 }
 TARGET_CLASSES = ("head", "interior", "last", "chunk-boundary", "window-head", "shared",
                   "cached")
@@ -82,6 +92,7 @@ EXPECTED_BITS = {
     "stale-reuse": FailReason.VERIFY_POSITION_MISMATCH,
     "slot-zero": FailReason.SLOT_ZERO_IN_PREFIX,
     "lost-write": FailReason.VERIFY_POSITION_MISMATCH | FailReason.VERIFY_CHAIN_HASH_MISMATCH,
+    "evicted-block": FailReason.VERIFY_POSITION_MISMATCH,
 }
 REQUEST, SWEEP = "request", "sweep"
 
@@ -118,6 +129,11 @@ class Site:
     bits: int
 
 
+def fault_kinds(paged: bool) -> tuple:
+    """The fault kinds of a layout."""
+    return PAGED_FAULT_KINDS if paged else FAULT_KINDS
+
+
 @dataclass
 class Fault:
     kind: str
@@ -144,8 +160,10 @@ def parse_inject(specs, config=None) -> list:
     """``["token", "alias:3@head"]`` -> ``[("token", 1, "interior"), ("alias", 3, "head")]``;
     kind ``all`` means every kind that applies to ``config`` (see :func:`inapplicable_kinds`),
     class ``all`` every target class; ``token+position:2@chain-seam`` places two interacting
-    pairs."""
+    pairs. A paged ``config`` takes the paged kinds (:func:`fault_kinds`), at interior entries
+    only."""
     skipped = inapplicable_kinds(config) if config is not None else {}
+    paged = config is not None and config.paged
     result = []
     for spec in specs:
         body, _, target = spec.partition("@")
@@ -157,16 +175,24 @@ def parse_inject(specs, config=None) -> list:
             raise SynthError(f"--inject {spec}: COUNT must be an integer") from None
         if number < 1:
             raise SynthError(f"--inject {spec}: COUNT must be at least 1")
-        kinds = [k for k in FAULT_KINDS if k not in skipped] if kind == "all" else (kind,)
-        targets = TARGET_CLASSES if target == "all" else (target,)
+        kinds = ([k for k in fault_kinds(paged) if k not in skipped] if kind == "all"
+                 else (kind,))
+        targets = TARGET_CLASSES if target == "all" and not paged else (target,)
         for name in kinds:
             for where in targets:
-                _check(name, where)
+                _check(name, where, paged)
                 result.append((name, number, where))
     return result
 
 
-def _check(kind: str, target: str) -> None:
+def _check(kind: str, target: str, paged: bool = False) -> None:
+    if paged:
+        if kind not in PAGED_FAULT_KINDS:
+            raise SynthError(_unknown_kind(kind, PAGED_FAULT_KINDS) + ", or all)")
+        if target != DEFAULT_TARGET:
+            raise SynthError(f"--inject {kind}@{target}: a paged run (--block-size) places "
+                             f"faults at {DEFAULT_TARGET} entries only")
+        return
     if target in PAIR_SHAPES:
         first, plus, second = kind.partition("+")
         if not plus or first not in PAIR_KINDS or second not in PAIR_KINDS:
@@ -174,11 +200,15 @@ def _check(kind: str, target: str) -> None:
                              f"one of {', '.join(PAIR_KINDS)}")
         return
     if kind not in FAULT_KINDS:
-        raise SynthError(f"--inject: unknown fault kind {kind!r} (one of "
-                         f"{', '.join(FAULT_KINDS)}, or all)")
+        raise SynthError(_unknown_kind(kind, FAULT_KINDS) + ", or all)")
     if target not in TARGET_CLASSES:
         raise SynthError(f"--inject: unknown target class {target!r} (one of "
                          f"{', '.join(TARGET_CLASSES + PAIR_SHAPES)}, or all)")
+
+
+def _unknown_kind(name: str, kinds) -> str:
+    paged = " (needs --block-size)" if name in PAGED_FAULT_KINDS else ""
+    return f"--inject: unknown fault kind {name!r}{paged} (one of {', '.join(kinds)}"
 
 
 @dataclass

@@ -97,6 +97,21 @@ class PrefixCache:
             parent = block
         self.allocator.free_slots(row_slots[full * B:seq_len])
 
+    def drop_subtree(self, block: CachedBlock) -> None:
+        """Forget ``block`` and every cached block below it (their slots are not freed: the
+        caller decides what happens to them)."""
+        def below(b):
+            while b is not None:
+                if b is block:
+                    return True
+                b = b.parent
+            return False
+
+        for key in [key for key, b in self.blocks.items() if below(b)]:
+            del self.blocks[key]
+        if block.parent is not None:
+            block.parent.children -= 1
+
     def evict(self, pages_needed: int) -> bool:
         """Evict unreferenced leaf blocks, least recently used first, until the unreserved free
         pages cover ``pages_needed`` plus a small reserve; False if they cannot."""

@@ -2,7 +2,8 @@
 
 A request is admitted when a request row is free, fewer than ``max_running`` run, and the
 allocator can promise the pages it will ever need (evicting cached blocks if it must). It maps
-its matched prefix-cache blocks into its row of ``req_to_token``, then every step extends by up
+its matched prefix-cache blocks into its row of the slot table (``req_to_token``, or the block
+table of a paged engine), then every step extends by up
 to ``chunk_size`` prompt tokens (chunked prefill), or by one token once its prompt is in
 (decode). Under a sliding window a request's SWA slots are freed once they leave its window. A
 request that has written all its tokens finishes: its full blocks go to the prefix cache, its
@@ -19,6 +20,7 @@ from .allocator import SlotAllocator
 from .config import Stats, SynthConfig
 from .kv_pool import KvPool
 from .prefix_cache import PrefixCache
+from .tables import BlockTable, TokenTable
 from .workload import Workload
 
 
@@ -47,7 +49,8 @@ class Scheduler:
         self.allocator, self.cache, self.workload, self.pool = allocator, cache, workload, pool
         self.stats = stats
         self.rows = c.max_running + 1       # row 0 is never handed out
-        self.table = np.zeros((self.rows, c.max_context_len), dtype=np.int32)
+        self.table = (BlockTable(self.rows, c.max_context_len, c.block_size) if c.paged
+                      else TokenTable(self.rows, c.max_context_len))
         self.token_pool = np.zeros((self.rows, c.max_context_len), dtype=np.int32)
         self.free_rows = list(range(self.rows - 1, 0, -1))
         self.running: list = []
@@ -92,7 +95,7 @@ class Scheduler:
                           seq_len=matched, swa_freed=matched)
         self.cache.acquire(blocks, self.step_index)
         if blocks:
-            self.table[row, :matched] = np.concatenate([b.slots for b in blocks])
+            self.table.map(row, 0, np.concatenate([b.slots for b in blocks]))
         self.token_pool[row, :tokens.shape[0]] = tokens
         allocator.reserve(need)
         request.reserved = need
@@ -126,7 +129,7 @@ class Scheduler:
         full_slots, tokens, positions = [], [], []
         for request, extend in zip(batch, extends):
             slots = self._allocate(request, extend)
-            self.table[request.row, request.seq_len:request.seq_len + extend] = slots
+            self.table.map(request.row, request.seq_len, slots)
             full_slots.append(slots)
             tokens.append(request.tokens[request.seq_len:request.seq_len + extend])
             positions.append(np.arange(request.seq_len, request.seq_len + extend, dtype=np.int64))
@@ -142,7 +145,7 @@ class Scheduler:
             rows=np.array([r.row for r in batch], dtype=np.int64),
             prefix=np.array([r.seq_len for r in batch], dtype=np.int64),
             extend=np.array(extends, dtype=np.int64), tokens=tokens, positions=positions,
-            out_loc=out_loc, table={"req_to_token": self.table},
+            out_loc=out_loc, table=self.table.plan_keywords(),
             expected_tokens=self.token_pool, lut=self.allocator.lut,
             verify_now=c.verify_every > 0 and self.step_index % c.verify_every == 0,
             step=self.step_index, stats=self.stats)
@@ -157,7 +160,7 @@ class Scheduler:
                 out_of_window = request.seq_len - c.swa_window
                 if out_of_window > request.swa_freed:
                     self.allocator.free_swa_of(
-                        self.table[request.row, request.swa_freed:out_of_window].astype(np.int64))
+                        self.table.slots(request.row, request.swa_freed, out_of_window))
                     request.swa_freed = out_of_window
             if request.seq_len >= request.total_len:
                 self.finish(request)
@@ -167,7 +170,7 @@ class Scheduler:
 
     def finish(self, request: Request) -> None:
         """Hand the request's blocks to the prefix cache, free the rest, return its row."""
-        row_slots = self.table[request.row, :request.seq_len].astype(np.int64)
+        row_slots = self.table.slots(request.row, 0, request.seq_len)
         self.cache.insert(request.tokens, request.seq_len, request.blocks, row_slots,
                           self.step_index)
         self.allocator.release(request.reserved)

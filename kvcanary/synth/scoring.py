@@ -47,7 +47,7 @@ def faults_from_dump(dump) -> list:
                                                 get("expected_bits"), get("visible"),
                                                 get("detail"))]
     if "synth_fault_site_count" not in extra:
-        return faults   # an older dump: scored at its target entry alone
+        return faults   # a paged or older dump: scored at its target entry alone
     targets = str(extra["synth_fault_targets"]).split(",")
     site_rows = list(zip(get("site_sweep"), get("site_request_row"), get("site_position"),
                          get("site_slot"), get("site_bits")))
@@ -90,15 +90,6 @@ def findings_by_entry(result) -> dict:
     return fired
 
 
-def _sites(fault: Fault) -> tuple:
-    """A fault's sites; an older dump's fault has its target entry (and a swap's partner)."""
-    if fault.sites:
-        return fault.sites
-    positions = [fault.position] + ([fault.detail] if fault.kind == "swap" else [])
-    return tuple(Site(entry=REQUEST, request_row=fault.request_row, position=p, slot=-1,
-                      bits=fault.expected_bits) for p in positions)
-
-
 def _fired_at(fired: dict, site: Site) -> int:
     if site.slot >= 0:
         return fired.get((site.entry, site.request_row, site.position, site.slot), 0)
@@ -121,8 +112,11 @@ def score(faults, result) -> list:
     fired = findings_by_entry(result)
     outcomes = []
     for fault in faults:
+        if not fault.sites:
+            outcomes.append(_score_at_target(fault, result, mode))
+            continue
         sites = [(site, site.bits & ~(_SLOT_ZERO if result.compat else 0))
-                 for site in _sites(fault)]
+                 for site in fault.sites]
         must = [(site, bits) for site, bits in sites if bits]
         got = [_fired_at(fired, site) for site, _ in sites]
         visible = fault.visible and bool(must)
@@ -135,3 +129,18 @@ def score(faults, result) -> list:
             note=fault_note(fault, mode, result.compat), target=fault.target, sites=len(must),
             request_rows=len({site.request_row for site, _ in must if site.entry == REQUEST})))
     return outcomes
+
+
+def _score_at_target(fault: Fault, result, mode: RealKvHashMode) -> FaultOutcome:
+    """A fault without sites (a paged run's, or an older dump's): scored at its target entry,
+    and the exchanged entry of a swap."""
+    visible = fault.visible and not (fault.kind == "slot-zero" and result.compat)
+    fired = 0
+    for position in [fault.position] + ([fault.detail] if fault.kind == "swap" else []):
+        for finding in result.findings_at(fault.request_row, position):
+            fired |= finding.violation.fail_reason_bits
+    detected = (fired & fault.expected_bits) == fault.expected_bits and fired != 0
+    return FaultOutcome(kind=fault.kind, request_row=fault.request_row, position=fault.position,
+                        slot=fault.slot, expected_bits=fault.expected_bits, visible=visible,
+                        detected=detected, fired_bits=fired,
+                        note=fault_note(fault, mode, result.compat))

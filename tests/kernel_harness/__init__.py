@@ -30,6 +30,7 @@ DEFAULT_FLAGS = ("-O2",)
 ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
 SANITIZE_FLAGS = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                   "-fno-sanitize-recover=undefined")
+COVERAGE_FLAGS = ("-O0", "--coverage")  # gcov line counts (scripts/kernel-coverage.py)
 
 
 def compiler() -> str | None:
@@ -120,8 +121,8 @@ class CpuKernels:
     the kernel source compiled for the CPU."""
 
     def __init__(self, multiprocessor_count: int = 2, threads_per_block: int = 8,
-                 write_threads_per_block: int = 4, flags: tuple[str, ...] = DEFAULT_FLAGS):
-        self.flags = flags
+                 write_threads_per_block: int = 4, flags: tuple[str, ...] | None = None):
+        self.flags = harness_flags_from_env() if flags is None else flags
         self.order, self.seed = "forward", 0  # thread order of the next launches
         self.launches = []  # (name, blocks, threads) of every launch, for geometry checks
         self._launcher = L.Launcher(self._run, multiprocessor_count,
@@ -329,5 +330,10 @@ class Differential:
 
 
 def harness_flags_from_env() -> tuple[str, ...]:
-    """Sanitizer build when KVCANARY_HARNESS_SANITIZE=1 (set by the sanitizer test)."""
-    return SANITIZE_FLAGS if os.environ.get("KVCANARY_HARNESS_SANITIZE") == "1" else DEFAULT_FLAGS
+    """Sanitizer build when KVCANARY_HARNESS_SANITIZE=1 (set by the sanitizer test),
+    gcov build when KVCANARY_HARNESS_COVERAGE=1 (set by the kernel coverage run)."""
+    if os.environ.get("KVCANARY_HARNESS_SANITIZE") == "1":
+        return SANITIZE_FLAGS
+    if os.environ.get("KVCANARY_HARNESS_COVERAGE") == "1":
+        return COVERAGE_FLAGS
+    return DEFAULT_FLAGS

@@ -22,9 +22,13 @@ struct kvc_shim_dim3 {
 
 inline thread_local kvc_shim_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
-struct ulonglong2 {
+struct alignas(16) ulonglong2 {  // CUDA's vector type: 16-byte aligned
   unsigned long long x, y;
 };
+
+// Loads a GPU would fault on (an address off the type's alignment), counted so the
+// launcher can fail the launch: on the CPU any address loads.
+inline thread_local unsigned long long kvc_shim_misaligned_loads = 0;
 
 // atomicAdd returns the old value; signed overflow wraps (atomics are two's complement).
 template <class T>
@@ -43,9 +47,10 @@ inline T atomicMax(T* address, T value) {
   return old;
 }
 
-// Read-only cached load: a plain (alignment-agnostic) copy on the host.
+// Read-only cached load: a plain copy on the host, after counting a misaligned address.
 template <class T>
 inline T __ldg(const T* address) {
+  if (reinterpret_cast<std::uintptr_t>(address) % alignof(T) != 0) ++kvc_shim_misaligned_loads;
   T value;
   std::memcpy(&value, address, sizeof(T));
   return value;

@@ -33,3 +33,8 @@ def kernels_behind_numpy(cpu_kernels):
     differential = Differential(cpu_kernels)
     with numpy_runs(differential):
         yield differential
+
+
+def assert_compared(differential: Differential) -> None:
+    """A scenario rerun on the kernels must have compared at least one launch."""
+    assert differential.compared > 0, "no launch reached the kernels: nothing was compared"

@@ -48,14 +48,16 @@ constexpr int arity(void (*)(Args...)) {
 
 }  // namespace
 
-// Returns 0, or -1 for an unknown kernel name, or -2 when nargs does not match.
+// Returns 0, or -1 for an unknown kernel name, -2 when nargs does not match, -3 when the
+// kernel made a load a GPU would fault on (misaligned for its type).
 extern "C" int kvc_cpu_launch(const char* name, unsigned grid, unsigned block, void** args,
                               int nargs, int order, unsigned seed) {
+  kvc_shim_misaligned_loads = 0;
 #define KVC_DISPATCH(kernel)                                      \
   if (std::strcmp(name, #kernel) == 0) {                          \
     if (nargs != arity(&kernel)) return -2;                       \
     run_grid(&kernel, grid, block, args, order, seed);            \
-    return 0;                                                     \
+    return kvc_shim_misaligned_loads == 0 ? 0 : -3;               \
   }
   KVC_DISPATCH(kvc_verify)
   KVC_DISPATCH(kvc_write_seeds)
