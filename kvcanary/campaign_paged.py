@@ -29,9 +29,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-import multiprocessing
 import os
-import platform
 import shlex
 import time
 from collections import Counter
@@ -39,33 +37,46 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import dump as dumpio
-from .audit import AuditError, audit, resolve_backend
+from .audit import audit
 from .consts import REAL_KV_PARTIAL_READ_BYTES
-from .interrupt import WorkerPool
 from .synth import (
     MODES,
-    SynthConfig,
     SynthError,
-    Synthesis,
     fault_kinds,
     faults_from_dump,
     score,
 )
-from .campaign import LAYOUTS, CampaignError
+from .campaign import (
+    BYTES_PER_TOKEN,
+    DEFAULT_CLEAN_RUNS,
+    DEFAULT_FAULTS_PER_KIND,
+    HIGH,
+    LAYOUTS,
+    LOW,
+    MAX_REPORTED,
+    MAX_ROUNDS,
+    PAGE_SIZES,
+    RULE_WORDS,
+    RULES,
+    CampaignError,
+    _dump,
+    _fp_key,
+    _keep,
+    _synthesis,
+    _worker_pool,
+    audit_command,
+    fault_scope,
+    machine_description,
+    resolve_backends,
+    scopes,
+)
 from .violations import reason_labels
 
-RULES = ("kvcanary", "compat")
-RULE_WORDS = {"kvcanary": "kvcanary rules (default audit)",
-              "compat": "--compat (upstream's rules only)"}
-PAGE_SIZES = (1, 16, 64)
-BYTES_PER_TOKEN = (16, 32, 64)
 # The paged layout (synth --block-size): block sizes, and prompts long enough that a request
 # owns several whole blocks (block faults claim a block and its neighbours).
 BLOCK_SIZES = (4, 16, 32)
 PAGED_PROMPT_LEN = (16, 96)
 PAGED_SLOTS = (2048, 4096)
-LOW, HIGH = f"byte < {REAL_KV_PARTIAL_READ_BYTES}", f"byte >= {REAL_KV_PARTIAL_READ_BYTES}"
 
 
 def per_run(kind: str, mode: str) -> int:
@@ -80,24 +91,9 @@ def per_run(kind: str, mode: str) -> int:
     return 3
 
 
-MAX_ROUNDS = 200
-DEFAULT_FAULTS_PER_KIND = 1000
-DEFAULT_CLEAN_RUNS = 200
-MAX_REPORTED = 25   # misses and false positives kept in full
 
 
 # --------------------------------------------------------------------------- cells
-
-
-def scopes(kind: str, mode: str) -> tuple:
-    """The table rows one (kind, mode) splits into."""
-    return (LOW, HIGH) if (kind, mode) == ("real-kv-byte", "partial") else ("",)
-
-
-def fault_scope(kind: str, mode: str, detail: int) -> str:
-    if (kind, mode) == ("real-kv-byte", "partial"):
-        return LOW if detail < REAL_KV_PARTIAL_READ_BYTES else HIGH
-    return ""
 
 
 def designed(kind: str, mode: str, scope: str, rules: str):
@@ -194,23 +190,6 @@ def synth_command(config: dict, inject=()) -> str:
     return " ".join(shlex.quote(str(a)) for a in args)
 
 
-def audit_command(backend: str, rules: str) -> str:
-    return f"kvcanary audit repro.npz --backend {backend}" + (" --compat" if rules == "compat" else "")
-
-
-def _dump(arrays: dict):
-    """The synthesis arrays as a validated in-memory dump (what ``load`` gives after ``save``)."""
-    values = {dumpio.VERSION_KEY: np.array(dumpio.DUMP_VERSION, dtype=np.int64)}
-    for key, value in arrays.items():
-        if value is not None:
-            values[key] = dumpio._host_array(value, key)
-    return dumpio.validate("<campaign>", "memory", values)
-
-
-def _synthesis(config: dict) -> Synthesis:
-    return Synthesis(SynthConfig(**config)).run()
-
-
 def _audits(d, backends):
     for backend in backends:
         for rules in RULES:
@@ -255,10 +234,6 @@ def _inject_plans(inject):
     ones = [(kind, 1) for kind, _ in inject]
     for keep in range(len(ones), 0, -1):
         yield ones[:keep]
-
-
-def _fp_key(where: str, backend: str, rules: str) -> str:
-    return "|".join((where, backend, rules))
 
 
 def run_fault_task(task: dict) -> dict:
@@ -467,37 +442,6 @@ def _row_order(key):
             scope)
 
 
-def resolve_backends(name: str):
-    """``(backends that run, {backend not run: why})`` for ``auto``, ``numpy`` or ``cupy``."""
-    if name not in ("auto", "numpy", "cupy"):
-        raise CampaignError(f"--backend must be auto, numpy or cupy, got {name!r}")
-    if name == "numpy":
-        return ["numpy"], {"cupy": "not requested (--backend numpy)"}
-    if name == "cupy":
-        try:
-            resolve_backend("cupy")
-        except AuditError as exc:
-            raise CampaignError(f"--backend cupy: {exc}") from None
-        return ["cupy"], {"numpy": "not requested (--backend cupy)"}
-    from .cuda import CudaUnavailable, require_cupy
-
-    try:
-        require_cupy()
-    except CudaUnavailable as exc:
-        return ["numpy"], {"cupy": str(exc).removeprefix("kv-canary: ")}
-    return ["numpy", "cupy"], {}
-
-
-def machine_description() -> str:
-    return f"{os.cpu_count()}-core {platform.machine()}, {platform.system()}"
-
-
-def _worker_pool(jobs: int, cuda: bool) -> WorkerPool:
-    # fork is cheaper, but a forked child would inherit a CUDA context it cannot use
-    method = "spawn" if cuda or "fork" not in multiprocessing.get_all_start_methods() else "fork"
-    return WorkerPool(jobs, start_method=method)
-
-
 def _yield(kind: str, mode: str, scope: str, sources_share: float = 0.8) -> float:
     """Expected faults per run of a cell, to size a round (the next round fixes any error)."""
     n = per_run(kind, mode)
@@ -553,10 +497,6 @@ def _clean_phase(report, runner, progress) -> None:
         _keep(report.errors, out["errors"])
         if progress:
             progress("clean runs", done, len(tasks))
-
-
-def _keep(into: list, items: list) -> None:
-    into.extend(items[:max(0, MAX_REPORTED - len(into))])
 
 
 def _fault_phase(report, runner, progress) -> None:
