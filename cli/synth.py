@@ -85,10 +85,13 @@ def check_out(out: str, force: bool) -> None:
               show_default=True,
               help="Backend of every plan/write/verify launch (cupy moves the arrays per "
                    "launch: keep such runs small).")
-@click.option("--inject", multiple=True, metavar="KIND[:COUNT]",
+@click.option("--inject", multiple=True, metavar="KIND[:COUNT][@CLASS]",
               help="Inject a fault after the run (repeatable; KIND 'all' for every kind that "
                    "applies): token, position, prev-hash, real-kv-byte, alias, swap, "
-                   "stale-reuse, slot-zero, lost-write; with --block-size also evicted-block.")
+                    "stale-reuse, slot-zero, lost-write; with --block-size also evicted-block; "
+                    "at target CLASS (default interior; per-token layout only): head, "
+                    "interior, last, chunk-boundary, window-head, shared, cached; or "
+                    "KIND+KIND:PAIRS@shared-block|chain-seam for interacting pairs.")
 @click.option("--force", is_flag=True,
               help="Overwrite an existing OUT file, or replace the dump in an OUT directory.")
 def synth_command(out, mode, backend, inject, force, **values):
@@ -107,15 +110,15 @@ def synth_command(out, mode, backend, inject, force, **values):
             require_cupy()   # a clear error when cupy or a device is missing
         faults = parse_inject(inject, config)
         skipped = inapplicable_kinds(config) if any(
-            spec.partition(":")[0].strip() == "all" for spec in inject) else {}
+            spec.partition("@")[0].partition(":")[0].strip() == "all" for spec in inject) else {}
         synthesis = Synthesis(config)
         progress = Progress("synth: requests admitted and prefilled")
         try:
             synthesis.run(progress=progress)
         finally:
             progress.close()
-        for kind, count in faults:
-            synthesis.inject(kind, count)
+        for kind, count, target in faults:
+            synthesis.inject(kind, count, target)
         written = dump.save(out, **synthesis.arrays())
     s = synthesis.stats
     rows, seq_lens = synthesis.live()
@@ -133,5 +136,6 @@ def synth_command(out, mode, backend, inject, force, **values):
     for kind, reason in skipped.items():
         click.echo(f"--inject all: skipped {kind}: {reason}")
     for fault in synthesis.faults:
-        click.echo(f"injected {fault.kind}: request row {fault.request_row}, position "
-                   f"{fault.position}, slot {fault.slot}" + (f" ({fault.note})" if fault.note else ""))
+        click.echo(f"injected {fault.kind} at {fault.target}: request row "
+                   f"{fault.request_row}, position {fault.position}, slot {fault.slot}"
+                   + (f" ({fault.note})" if fault.note else ""))

@@ -4,20 +4,24 @@ nothing on clean workloads.
 
 One *fault run* samples a small workload (page size 1, 16 or 64; SWA on or off; 0 to 4
 real-KV sources; the hash mode of the run), plays it with :class:`~kvcanary.synth.Synthesis`,
-audits the clean final state, injects a few faults of every kind still short of its target,
-audits again on every backend and under both rule sets (kvcanary's, and ``--compat``:
-upstream's only), and scores each fault with :func:`kvcanary.synth.score` at its target entry.
-Faults of one run never interact: synth gives every fault its own request-owned entry and
-slot, and no two targets of a request are neighbours (a content fault breaks its successor's
-chain link, which is therefore never another fault's target). A fault whose target shows a
-finding although the canary is not designed to see it would reveal such crosstalk; the
-campaign counts these and fails on any.
+audits the clean final state, then runs one *injection* per fault kind still short of its
+target: a copy of the final state gets faults of that kind at every target class still short
+(request heads, last tokens, window heads, chunk boundaries, shared and cached prefix blocks,
+the interior), is audited on every backend and under both rule sets (kvcanary's, and
+``--compat``: upstream's only), and each fault is scored with :func:`kvcanary.synth.score` at
+its sites: every verify entry it changed, with the request row, position and slot the audit
+must name. Faults of one injection never interact: synth keeps every target's slot apart
+from the others and from their chain neighbours (a content fault breaks its successor's chain
+link). A fault with findings at its sites although the canary is not designed to see it would
+reveal such crosstalk; the campaign counts these and fails on any.
 
-Rounds of runs are planned from the remaining deficits until every (kind, mode) cell holds at
-least ``faults_per_kind`` faults; ``real-kv-byte`` in partial mode is split at the 16 bytes
-partial mode hashes, and each half must reach the target. *Clean runs* are further randomized
-workloads audited without faults; every violation there, in the clean state of a fault run
-before its injection, or in a simulation's own in-run verify, is a false positive.
+Rounds of runs are planned from the remaining deficits until every (class, kind, mode) cell
+holds at least ``faults_per_kind`` faults; ``real-kv-byte`` in partial mode is split at the 16
+bytes partial mode hashes, and each half must reach the target. *Clean runs* are further
+randomized workloads, every one with a sliding window, shared prefix-cache blocks in a live
+request's window and a chunk boundary (a sampled workload without them is replaced), audited
+without faults; every violation there, in the clean state of a fault run before its
+injections, or in a simulation's own in-run verify, is a false positive.
 
 Every run is a function of the campaign seed and its index, independent of ``jobs``; a miss
 is reported with the ``kvcanary synth`` / ``kvcanary audit`` commands that reproduce it.
@@ -42,15 +46,9 @@ from . import dump as dumpio
 from .audit import AuditError, audit, resolve_backend
 from .consts import REAL_KV_PARTIAL_READ_BYTES
 from .interrupt import WorkerPool
-from .synth import (
-    MODES,
-    SynthConfig,
-    SynthError,
-    Synthesis,
-    fault_kinds,
-    faults_from_dump,
-    score,
-)
+from .synth import (FAULT_KINDS, MODES, TARGET_CLASSES, SynthConfig, SynthError, Synthesis,
+                    faults_from_dump, score)
+from .synth.faults import PAIR_KINDS, PAIR_SHAPES, PAIRS_NOT_UNION
 from .violations import reason_labels
 
 RULES = ("kvcanary", "compat")
@@ -58,31 +56,41 @@ RULE_WORDS = {"kvcanary": "kvcanary rules (default audit)",
               "compat": "--compat (upstream's rules only)"}
 PAGE_SIZES = (1, 16, 64)
 BYTES_PER_TOKEN = (16, 32, 64)
-# The paged layout (synth --block-size): block sizes, and prompts long enough that a request
-# owns several whole blocks (block faults claim a block and its neighbours).
-LAYOUTS = ("per-token", "paged")
-BLOCK_SIZES = (4, 16, 32)
-PAGED_PROMPT_LEN = (16, 96)
-PAGED_SLOTS = (2048, 4096)
 LOW, HIGH = f"byte < {REAL_KV_PARTIAL_READ_BYTES}", f"byte >= {REAL_KV_PARTIAL_READ_BYTES}"
 
 
-def per_run(kind: str, mode: str) -> int:
-    """Faults of one kind per run. The k-th real-kv-byte fault of a run lands in 16-byte
-    window k of the slot (modulo its size), so 4 cover a 64-byte slot; partial mode, whose
-    table splits at 16 bytes, gets 8. A run has few cached blocks that live requests map,
-    so evicted-block gets 1."""
-    if kind == "real-kv-byte":
-        return 8 if mode == "partial" else 4
-    if kind == "evicted-block":
-        return 1
-    return 3
+# Faults of one kind per class in one injection: every entry of the scarce classes (a few per
+# run), a few of the plentiful ones.
+PER_INJECTION = {"head": 64, "window-head": 64, "last": 64, "chunk-boundary": 64, "shared": 32,
+                 "cached": 8, "interior": 8}
+# Expected faults of one kind per class and run (measured over sampled workloads), to size a
+# round; the next round fixes any shortfall.
+CLASS_YIELD = {"head": 6.0, "window-head": 6.0, "last": 15.0, "chunk-boundary": 26.0,
+               "shared": 16.0, "cached": 8.0, "interior": 8.0}
+# Classes in the order an injection fills them: the scarce ones first.
+FILL_ORDER = ("head", "window-head", "last", "chunk-boundary", "shared", "cached", "interior")
+# Every fault run ends with one injection of interacting pairs: this many kind pairs per
+# shape, this many pairs of each.
+PAIR_COMBOS_PER_RUN, PAIRS_PER_COMBO = 2, 4
+PAIR_COMBOS = [(a, b) for a in PAIR_KINDS for b in PAIR_KINDS if (a, b) not in PAIRS_NOT_UNION]
+CLEAN_RUN_CLASSES = ("shared", "window-head", "chunk-boundary")
+CLEAN_RUN_ATTEMPTS = 20
+
+
+def injections(kind: str, mode: str) -> int:
+    """Injections of a kind per run. The k-th real-kv-byte fault of an injection lands in
+    16-byte window k of the slot (modulo its size); partial mode, whose table splits at 16
+    bytes, gets two injections (classes filled in reverse order in the second)."""
+    return 2 if (kind, mode) == ("real-kv-byte", "partial") else 1
 
 
 MAX_ROUNDS = 200
 DEFAULT_FAULTS_PER_KIND = 1000
 DEFAULT_CLEAN_RUNS = 200
 MAX_REPORTED = 25   # misses and false positives kept in full
+
+
+LAYOUTS = ("per-token", "paged")
 
 
 class CampaignError(ValueError):
@@ -103,8 +111,18 @@ def fault_scope(kind: str, mode: str, detail: int) -> str:
     return ""
 
 
-def designed(kind: str, mode: str, scope: str, rules: str):
+def designed(kind: str, mode: str, scope: str, rules: str, target: str = "interior"):
     """``(True, "")`` where the canary is designed to see the fault, else ``(False, why)``."""
+    if target == "window-head" and kind == "prev-hash":
+        return False, ("the predecessor's SWA slot is already freed, so verify cannot read "
+                       "it and the chain check at a window head is vacuous by design")
+    if target == "cached" and kind == "token":
+        return False, ("sweep entries carry no expected token (the prefix cache keeps no "
+                       "token pool); a changed token shows only as its successor's broken "
+                       "chain link")
+    if target == "cached" and kind == "slot-zero":
+        return False, ("verify skips slot 0 as unfilled, and SLOT_ZERO_IN_PREFIX checks live "
+                       "requests' tables only, not the prefix cache's blocks")
     if kind == "real-kv-byte" and mode == "none":
         return False, ("mode none does not hash real KV: the record's real-KV field is 0 and "
                        "the bytes are never read")
@@ -117,13 +135,9 @@ def designed(kind: str, mode: str, scope: str, rules: str):
     return True, ""
 
 
-def layout_kinds(layout: str) -> tuple:
-    return fault_kinds(layout == "paged")
-
-
-def all_cells(layout: str = "per-token"):
-    return [(kind, mode, scope) for kind in layout_kinds(layout) for mode in MODES
-            for scope in scopes(kind, mode)]
+def all_cells():
+    return [(target, kind, mode, scope) for target in TARGET_CLASSES for kind in FAULT_KINDS
+            for mode in MODES for scope in scopes(kind, mode)]
 
 
 @dataclass
@@ -131,7 +145,9 @@ class Cell:
     injected: int = 0
     visible: int = 0            # faults the canary is designed to see (ground truth)
     detected: int = 0           # visible faults whose expected bits fired at the target
-    stray: int = 0              # invisible faults with a finding at the target (crosstalk)
+    stray: int = 0              # invisible faults with a finding at a site (crosstalk)
+    sites: int = 0              # sites that had to fire, over the visible faults
+    multi_row: int = 0          # visible faults whose sites span two or more request rows
     fired: Counter = field(default_factory=Counter)   # label -> faults where it fired
 
     def add(self, other: "Cell") -> None:
@@ -139,33 +155,27 @@ class Cell:
         self.visible += other.visible
         self.detected += other.detected
         self.stray += other.stray
+        self.sites += other.sites
+        self.multi_row += other.multi_row
         self.fired.update(other.fired)
 
     def to_dict(self) -> dict:
         return {"injected": self.injected, "visible": self.visible, "detected": self.detected,
-                "stray": self.stray, "fired": dict(sorted(self.fired.items()))}
+                "stray": self.stray, "sites": self.sites, "multi_row": self.multi_row,
+                "fired": dict(sorted(self.fired.items()))}
 
 
 # --------------------------------------------------------------------------- workloads
 
 
-def sample_config(rng: np.random.Generator, mode: str, *, clean: bool = False,
-                  layout: str = "per-token") -> dict:
-    """A small randomized workload whose every field is a ``kvcanary synth`` option."""
-    config = _sample_per_token(rng, mode, clean)
-    if layout == "paged":   # drawn after the per-token fields: those runs stay as they were
-        block_size = int(rng.choice(BLOCK_SIZES))
-        config.update(page_size=block_size, block_size=block_size,
-                      num_slots=int(rng.choice(PAGED_SLOTS)), prompt_len=PAGED_PROMPT_LEN)
-    return config
-
-
-def _sample_per_token(rng: np.random.Generator, mode: str, clean: bool) -> dict:
-    swa = int(rng.integers(24, 65)) if rng.random() < 0.5 else 0
+def sample_config(rng: np.random.Generator, mode: str, *, clean: bool = False) -> dict:
+    """A small randomized workload whose every field is a ``kvcanary synth`` option; a clean
+    run always has a sliding window (fault runs' clean states cover runs without)."""
+    swa = int(rng.integers(24, 65)) if clean or rng.random() < 0.5 else 0
     return dict(
-        requests=int(rng.integers(16, 33)),
-        num_slots=int(rng.choice((1024, 2048))),
-        max_running=int(rng.integers(4, 9)),
+        requests=int(rng.integers(48, 97)),
+        num_slots=8192,
+        max_running=int(rng.integers(16, 33)),
         page_size=int(rng.choice(PAGE_SIZES)),
         swa_window=swa,
         sources=int(rng.integers(0, 5)),
@@ -182,18 +192,16 @@ def _sample_per_token(rng: np.random.Generator, mode: str, clean: bool) -> dict:
 def synth_command(config: dict, inject=()) -> str:
     """The ``kvcanary synth`` command that rebuilds a run's dump (and its faults)."""
     c = config
-    pages = (["--block-size", c["block_size"]] if c.get("block_size") else
-             ["--page-size", c["page_size"]])
     args = ["kvcanary", "synth", "repro.npz", "--requests", c["requests"],
             "--slots", c["num_slots"], "--max-running", c["max_running"],
-            *pages, "--swa-window", c["swa_window"],
+            "--page-size", c["page_size"], "--swa-window", c["swa_window"],
             "--sources", c["sources"], "--bytes-per-token", c["bytes_per_token"],
             "--mode", c["mode"], "--chunk-size", c["chunk_size"],
             "--prompt-len", "{}..{}".format(*c["prompt_len"]),
             "--output-len", "{}..{}".format(*c["output_len"]),
             "--verify-every", c["verify_every"], "--seed", c["seed"]]
-    for kind, count in inject:
-        args += ["--inject", f"{kind}:{count}"]
+    for kind, count, target in inject:
+        args += ["--inject", f"{kind}:{count}@{target}"]
     return " ".join(shlex.quote(str(a)) for a in args)
 
 
@@ -230,17 +238,9 @@ def _false_positive(where: str, config: dict, backend: str, rules: str, result) 
             "reproduce": synth_command(config) + " && " + audit_command(backend, rules)}
 
 
-def _simulate_and_audit_clean(out: dict, config, backends, phase: str, what: str):
-    """Play ``config`` and audit its (fault-free) final state on every backend and rule
-    set, counting audits and any violation as a false positive under ``phase``. Returns the
-    simulation, or None when it failed (recorded as an error: an honest run whose in-run
-    verify fired)."""
-    try:
-        synthesis = _synthesis(config)
-    except SynthError as exc:
-        out["errors"].append({"what": f"simulation failed: {str(exc).splitlines()[0]}",
-                              "config": config, "reproduce": synth_command(config)})
-        return None
+def _audit_clean(out: dict, config, synthesis, backends, phase: str, what: str) -> None:
+    """Audit ``synthesis``'s (fault-free) state on every backend and rule set, counting
+    audits and any violation as a false positive under ``phase``."""
     for backend, rules, result in _audits(_dump(synthesis.arrays()), backends):
         key = _fp_key(phase, backend, rules)
         audits, violations = out["fp"].get(key, (0, 0))
@@ -248,16 +248,23 @@ def _simulate_and_audit_clean(out: dict, config, backends, phase: str, what: str
         if result.total_violations:
             out["false_positives"].append(
                 _false_positive(what, config, backend, rules, result))
-    return synthesis
 
 
-def _inject_plans(inject):
-    """The plan, then smaller ones, for a workload whose live set is too small for it."""
-    yield list(inject)
-    yield [(kind, max(1, count // 2)) for kind, count in inject]
-    ones = [(kind, 1) for kind, _ in inject]
-    for keep in range(len(ones), 0, -1):
-        yield ones[:keep]
+def _simulate(out: dict, config):
+    """Play ``config``; None when it failed (recorded as an error: an honest run whose in-run
+    verify fired)."""
+    try:
+        return _synthesis(config)
+    except SynthError as exc:
+        out["errors"].append({"what": f"simulation failed: {str(exc).splitlines()[0]}",
+                              "config": config, "reproduce": synth_command(config)})
+        return None
+
+
+def target_census(synthesis) -> dict:
+    """Target class -> verify entries of that class in a synthesis's state."""
+    masks = synthesis.injector.entries().masks
+    return {target: int(masks[target].sum()) for target in TARGET_CLASSES}
 
 
 def _fp_key(where: str, backend: str, rules: str) -> str:
@@ -268,70 +275,92 @@ def run_fault_task(task: dict) -> dict:
     """One fault run (see the module docstring); runs in a worker process too."""
     config, backends = task["config"], task["backends"]
     out = {"index": task["index"], "cells": {}, "misses": [], "false_positives": [],
-           "errors": [], "fp": {}, "shortages": 0, "unattributed": 0, "inject": [],
-           "targets": []}
-    clean = _simulate_and_audit_clean(out, config, backends, "prefault",
-                                      "clean state of a fault run")
+           "errors": [], "fp": {}, "unattributed": 0, "injections": [], "targets": []}
+    clean = _simulate(out, config)
     if clean is None:
         return out
-    # Every injection of the plan must succeed, so that ``kvcanary synth --inject`` rebuilds
-    # exactly these faults; a live set too small for the plan gets a smaller one.
-    synthesis, done = None, []
-    for plan in _inject_plans(task["inject"]):
-        attempt = copy.deepcopy(clean)
-        try:
-            for kind, count in plan:
-                attempt.inject(kind, count)
-        except SynthError:
-            out["shortages"] += 1
-            continue
-        synthesis, done = attempt, plan
-        break
-    out["inject"] = done
-    if synthesis is None:
-        return out
+    _audit_clean(out, config, clean, backends, "prefault", "clean state of a fault run")
+    for injection in task["plan"]:
+        synthesis = copy.deepcopy(clean)
+        done = []
+        for kind, want, target in injection:
+            made = synthesis.inject_up_to(kind, want, target)
+            if made:
+                done.append((kind, len(made) // (2 if target in PAIR_SHAPES else 1), target))
+        if done:
+            out["injections"].append(done)
+            _score_injection(out, config, backends, synthesis, done)
+    return out
+
+
+def _score_injection(out: dict, config, backends, synthesis, done) -> None:
+    """Audit one injection's faulty state and score every fault into the run's cells."""
     d = _dump(synthesis.arrays())
     faults = faults_from_dump(d)
-    out["targets"] = [(f.kind, f.request_row, f.position, f.slot) for f in faults]
+    out["targets"].append([(f.kind, f.target, f.request_row, f.position, f.slot)
+                           for f in faults])
     mode = config["mode"]
     for backend, rules, result in _audits(d, backends):
         out["unattributed"] += result.unattributed
         for fault, outcome in zip(faults, score(faults, result)):
             scope = fault_scope(fault.kind, mode, fault.detail)
-            key = "|".join((backend, rules, fault.kind, mode, scope))
+            key = "|".join((backend, rules, fault.target, fault.kind, mode, scope))
             cell = out["cells"].setdefault(key, Cell())
             cell.injected += 1
-            should, _ = designed(fault.kind, mode, scope, rules)
+            should, _ = designed(fault.kind, mode, scope, rules, fault.target)
             if outcome.visible != should:
                 out["errors"].append({
-                    "what": f"{fault.kind} fault: synth's ground truth says visible="
-                            f"{outcome.visible}, the campaign's table says {should}",
+                    "what": f"{fault.kind} fault at a {fault.target} entry: synth's ground "
+                            f"truth says visible={outcome.visible}, the campaign's table says "
+                            f"{should}",
                     "config": config, "reproduce": synth_command(config, done)})
             labels = reason_labels(outcome.fired_bits)
             if should:
                 cell.visible += 1
+                cell.sites += outcome.sites
+                cell.multi_row += outcome.request_rows >= 2
                 cell.fired.update(labels)
                 if outcome.detected:
                     cell.detected += 1
                 else:
                     out["misses"].append({
-                        "backend": backend, "rules": rules, "kind": fault.kind, "mode": mode,
-                        "scope": scope, "request_row": fault.request_row,
-                        "position": fault.position, "slot": fault.slot, "detail": fault.detail,
-                        "expected": reason_labels(fault.expected_bits), "fired": labels,
+                        "backend": backend, "rules": rules, "target": fault.target,
+                        "kind": fault.kind, "mode": mode, "scope": scope,
+                        "request_row": fault.request_row, "position": fault.position,
+                        "slot": fault.slot, "detail": fault.detail,
+                        "sites": [(site.entry, site.request_row, site.position, site.slot)
+                                  for site in fault.sites],
+                        "expected": reason_labels(outcome.expected_bits), "fired": labels,
                         "note": outcome.note, "config": config, "inject": done,
                         "reproduce": synth_command(config, done) + " && "
                                      + audit_command(backend, rules)})
             elif outcome.fired_bits:
                 cell.stray += 1
                 cell.fired.update(labels)
-    return out
+
+
+def clean_run_config(seed: int, index: int, attempt: int) -> dict:
+    rng = np.random.default_rng([seed, 1, index, attempt])
+    return sample_config(rng, MODES[int(rng.integers(len(MODES)))], clean=True)
 
 
 def run_clean_task(task: dict) -> dict:
-    config, backends = task["config"], task["backends"]
-    out = {"index": task["index"], "fp": {}, "false_positives": [], "errors": []}
-    _simulate_and_audit_clean(out, config, backends, "clean", "clean run")
+    """One clean run: the first sampled workload whose final state holds every class of
+    ``CLEAN_RUN_CLASSES`` (or the last attempt, flagged), audited without faults."""
+    out = {"index": task["index"], "fp": {}, "false_positives": [], "errors": [],
+           "replaced": 0, "census": {}, "missing": []}
+    for attempt in range(CLEAN_RUN_ATTEMPTS):
+        config = clean_run_config(task["seed"], task["index"], attempt)
+        synthesis = _simulate(out, config)
+        if synthesis is None:
+            return out
+        census = target_census(synthesis)
+        missing = [t for t in CLEAN_RUN_CLASSES if not census[t]]
+        if not missing or attempt == CLEAN_RUN_ATTEMPTS - 1:
+            break
+        out["replaced"] += 1
+    out["census"], out["missing"] = census, missing
+    _audit_clean(out, config, synthesis, task["backends"], "clean", "clean run")
     return out
 
 
@@ -346,12 +375,16 @@ class CampaignReport:
     backends: list
     skipped_backends: dict
     jobs: int
-    layout: str = "per-token"
-    cells: dict = field(default_factory=dict)        # (backend, rules, kind, mode, scope) -> Cell
+    # (backend, rules, target class, kind, mode, scope) -> Cell
+    cells: dict = field(default_factory=dict)
     fault_runs: int = 0
+    injections: int = 0
     rounds: int = 0
-    shortages: int = 0
     unattributed: int = 0
+    clean_replaced: int = 0                          # clean workloads resampled (a class absent)
+    clean_missing: list = field(default_factory=list)   # clean runs still lacking a class
+    clean_census: Counter = field(default_factory=Counter)  # class -> entries over clean runs
+    clean_census_min: dict = field(default_factory=dict)    # class -> fewest in one clean run
     mix: Counter = field(default_factory=Counter)    # (setting, value) -> fault runs
     misses: list = field(default_factory=list)
     miss_count: int = 0
@@ -363,8 +396,8 @@ class CampaignReport:
     elapsed_s: float = 0.0
     machine: str = ""
 
-    def cell(self, backend, rules, kind, mode, scope="") -> Cell:
-        return self.cells.get((backend, rules, kind, mode, scope), Cell())
+    def cell(self, backend, rules, target, kind, mode, scope="") -> Cell:
+        return self.cells.get((backend, rules, target, kind, mode, scope), Cell())
 
     def _fp_total(self, where: str, index: int) -> int:
         return sum(v[index] for k, v in self.fp.items() if k[0] == where)
@@ -403,19 +436,24 @@ class CampaignReport:
     def failures(self) -> list:
         """The targets missed, one sentence each (empty: every target met)."""
         problems = []
-        for (backend, rules, kind, mode, scope), c in sorted(self.cells.items()):
-            label = f"{kind}{' (' + scope + ')' if scope else ''} in mode {mode}, {backend}, {rules}"
+        for (backend, rules, target, kind, mode, scope), c in sorted(self.cells.items()):
+            label = (f"{kind}{' (' + scope + ')' if scope else ''} at {target} entries in mode "
+                     f"{mode}, {backend}, {rules}")
             if c.detected < c.visible:
                 problems.append(f"{label}: {c.visible - c.detected} of {c.visible} faults the "
                                 "canary is designed to see were missed")
             if c.stray:
                 problems.append(f"{label}: {c.stray} faults the canary is not designed to see "
                                 "had findings at their target (faults interacting?)")
-        for kind, mode, scope in all_cells(self.layout):
-            injected = self.cell(self.backends[0], RULES[0], kind, mode, scope).injected
+        for target, kind, mode, scope in all_cells():
+            injected = self.cell(self.backends[0], RULES[0], target, kind, mode, scope).injected
             if injected < self.faults_per_kind:
-                problems.append(f"{kind} in mode {mode}: only {injected} faults injected, "
+                problems.append(f"{kind}{' (' + scope + ')' if scope else ''} at {target} "
+                                f"entries in mode {mode}: only {injected} faults injected, "
                                 f"target {self.faults_per_kind}")
+        for index, missing in self.clean_missing[:MAX_REPORTED]:
+            problems.append(f"clean run {index} has no {', '.join(missing)} entries after "
+                            f"{CLEAN_RUN_ATTEMPTS} sampled workloads")
         if self.clean_violations:
             problems.append(f"{self.clean_violations} violation(s) in {self.clean_audits} "
                             "audits of clean runs (false positives)")
@@ -435,10 +473,11 @@ class CampaignReport:
 
     def to_dict(self) -> dict:
         rows = []
-        for (backend, rules, kind, mode, scope), c in sorted(
+        for (backend, rules, target, kind, mode, scope), c in sorted(
                 self.cells.items(), key=lambda kv: _row_order(kv[0])):
-            should, why = designed(kind, mode, scope, rules)
-            rows.append({"backend": backend, "rules": rules, "kind": kind, "mode": mode,
+            should, why = designed(kind, mode, scope, rules, target)
+            rows.append({"backend": backend, "rules": rules, "target": target, "kind": kind,
+                         "mode": mode,
                          "scope": scope, "designed_to_see": should, "reason": why,
                          "rate": (c.detected / c.visible) if c.visible else None,
                          **c.to_dict()})
@@ -446,11 +485,11 @@ class CampaignReport:
             "campaign": {"faults_per_kind": self.faults_per_kind, "clean_runs": self.clean_runs,
                          "seed": self.seed, "backends": self.backends,
                          "skipped_backends": self.skipped_backends, "jobs": self.jobs,
-                         "fault_runs": self.fault_runs, "rounds": self.rounds,
+                         "fault_runs": self.fault_runs, "injections": self.injections,
+                         "rounds": self.rounds,
                          "fault_runs_by_setting": {f"{k}={v}": n for (k, v), n in
                                                    sorted(self.mix.items(), key=str)},
-                         "elapsed_s": round(self.elapsed_s, 2), "machine": self.machine,
-                         **({"layout": self.layout} if self.layout != "per-token" else {})},
+                         "elapsed_s": round(self.elapsed_s, 2), "machine": self.machine},
             "cells": rows,
             "false_positives": {"clean_runs": self.clean_runs, "clean_audits": self.clean_audits,
                                 "clean_violations": self.clean_violations,
@@ -459,15 +498,20 @@ class CampaignReport:
                                 "total": self.false_positive_count,
                                 "examples": self.false_positives},
             "misses": {"count": self.miss_count, "examples": self.misses},
-            "unattributed": self.unattributed, "shortages": self.shortages,
+            "clean_runs": {"replaced": self.clean_replaced,
+                           "lacking_a_class": [i for i, _ in self.clean_missing],
+                           "class_entries": dict(sorted(self.clean_census.items())),
+                           "class_entries_fewest_in_a_run": dict(
+                               sorted(self.clean_census_min.items()))},
+            "unattributed": self.unattributed,
             "errors": self.errors, "failures": self.failures(), "passed": self.passed,
         }
 
 
 def _row_order(key):
-    backend, rules, kind, mode, scope = key
-    return (backend, RULES.index(rules), layout_kinds("paged").index(kind), MODES.index(mode),
-            scope)
+    backend, rules, target, kind, mode, scope = key
+    return (backend, RULES.index(rules), (TARGET_CLASSES + PAIR_SHAPES).index(target),
+            FAULT_KINDS.index(kind), MODES.index(mode), scope)
 
 
 def resolve_backends(name: str):
@@ -501,16 +545,16 @@ def _worker_pool(jobs: int, cuda: bool) -> WorkerPool:
     return WorkerPool(jobs, start_method=method)
 
 
-def _yield(kind: str, mode: str, scope: str, sources_share: float = 0.8) -> float:
+def _yield(target: str, kind: str, mode: str, scope: str, sources_share: float = 0.8) -> float:
     """Expected faults per run of a cell, to size a round (the next round fixes any error)."""
-    n = per_run(kind, mode)
+    n = CLASS_YIELD[target]
     if kind == "real-kv-byte":
-        n *= sources_share
+        n *= sources_share * injections(kind, mode)
         if scope == LOW:
             n *= 0.55
         elif scope == HIGH:
             n *= 0.4
-    return max(0.5, n * 0.9)
+    return max(0.5, n * 0.95)
 
 
 def run_campaign(*, faults_per_kind: int = DEFAULT_FAULTS_PER_KIND,
@@ -518,9 +562,15 @@ def run_campaign(*, faults_per_kind: int = DEFAULT_FAULTS_PER_KIND,
                  backend: str = "auto", jobs: int | None = None, layout: str = "per-token",
                  progress=None) -> CampaignReport:
     """Run the campaign; ``progress(phase, done, total)`` is called as runs finish.
-    ``layout="paged"`` plays paged engines (block tables) with the paged fault forms."""
+    ``layout="paged"`` plays paged engines (block tables) with the paged fault forms, without
+    target classes (:mod:`kvcanary.campaign_paged`)."""
     if layout not in LAYOUTS:
         raise CampaignError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "paged":
+        from . import campaign_paged
+        return campaign_paged.run_campaign(faults_per_kind=faults_per_kind,
+                                           clean_runs=clean_runs, seed=seed, backend=backend,
+                                           jobs=jobs, layout=layout, progress=progress)
     if faults_per_kind < 1:
         raise CampaignError(f"--faults-per-kind must be at least 1, got {faults_per_kind}")
     if clean_runs < 0:
@@ -535,7 +585,7 @@ def run_campaign(*, faults_per_kind: int = DEFAULT_FAULTS_PER_KIND,
     backends, skipped = resolve_backends(backend)
     report = CampaignReport(faults_per_kind=faults_per_kind, clean_runs=clean_runs, seed=seed,
                             backends=backends, skipped_backends=skipped, jobs=jobs,
-                            layout=layout, machine=machine_description())
+                            machine=machine_description())
     with _worker_pool(jobs, cuda="cupy" in backends) as runner:
         _clean_phase(report, runner, progress)
         _fault_phase(report, runner, progress)
@@ -544,16 +594,19 @@ def run_campaign(*, faults_per_kind: int = DEFAULT_FAULTS_PER_KIND,
 
 
 def _clean_phase(report, runner, progress) -> None:
-    tasks = []
-    for index in range(report.clean_runs):
-        rng = np.random.default_rng([report.seed, 1, index])
-        mode = MODES[int(rng.integers(len(MODES)))]
-        tasks.append({"index": index, "backends": report.backends,
-                      "config": sample_config(rng, mode, clean=True, layout=report.layout)})
+    tasks = [{"index": index, "seed": report.seed, "backends": report.backends}
+             for index in range(report.clean_runs)]
     for done, out in enumerate(runner.map(run_clean_task, tasks), 1):
         report.add_fp(out["fp"])
         _keep(report.false_positives, out["false_positives"])
         _keep(report.errors, out["errors"])
+        report.clean_replaced += out["replaced"]
+        if out["missing"]:
+            report.clean_missing.append((out["index"], out["missing"]))
+        for target, count in out["census"].items():
+            report.clean_census[target] += count
+            report.clean_census_min[target] = min(report.clean_census_min.get(target, count),
+                                                  count)
         if progress:
             progress("clean runs", done, len(tasks))
 
@@ -564,57 +617,63 @@ def _keep(into: list, items: list) -> None:
 
 def _fault_phase(report, runner, progress) -> None:
     target = report.faults_per_kind
-    injected = Counter()     # (kind, mode, scope) -> faults
-    cells = all_cells(report.layout)
+    injected = Counter()     # (target class, kind, mode, scope) -> faults
     index = planned = 0   # runs planned so far: a round that falls short plans more
     while True:
-        deficit = {cell: target - injected[cell] for cell in cells if injected[cell] < target}
+        deficit = {cell: target - injected[cell] for cell in all_cells() if injected[cell] < target}
         if not deficit:
             break
         report.rounds += 1
         if report.rounds > MAX_ROUNDS:
             raise CampaignError(f"internal: no convergence after {MAX_ROUNDS} rounds; short: "
-                                + ", ".join(f"{k}/{m}{'/' + s if s else ''}"
-                                            for k, m, s in deficit))
+                                + ", ".join(f"{t}/{k}/{m}{'/' + s if s else ''}"
+                                            for t, k, m, s in deficit))
         tasks, first = [], index
         for mode in MODES:
-            short = {(k, s): n for (k, m, s), n in deficit.items() if m == mode}
-            if not short:
-                continue
-            # Runs each short kind needs; run i of the round injects the kinds that need more
-            # than i runs.
+            # Runs each short (class, kind) needs; run i of the round injects the pairs that
+            # need more than i runs.
             need = Counter()
-            for (k, s), n in short.items():
-                need[k] = max(need[k], math.ceil(n / _yield(k, mode, s)))
+            for (t, k, m, s), n in deficit.items():
+                if m == mode:
+                    need[(t, k)] = max(need[(t, k)], math.ceil(n / _yield(t, k, mode, s)))
+            if not need:
+                continue
             for i in range(max(need.values())):
                 rng = np.random.default_rng([report.seed, 0, index])
-                config = sample_config(rng, mode, layout=report.layout)
-                inject = [(k, per_run(k, mode)) for k in layout_kinds(report.layout) if need[k] > i
-                          and not (k == "real-kv-byte" and config["sources"] == 0)]
-                order = rng.permutation(len(inject)).tolist()
+                config = sample_config(rng, mode)
+                plan = []
+                for k in FAULT_KINDS:
+                    if k == "real-kv-byte" and config["sources"] == 0:
+                        continue
+                    targets = [(k, PER_INJECTION[t], t) for t in FILL_ORDER if need[(t, k)] > i]
+                    if targets:
+                        plan += [targets if j == 0 else targets[::-1]
+                                 for j in range(injections(k, mode))]
+                combos = rng.choice(len(PAIR_COMBOS), PAIR_COMBOS_PER_RUN, replace=False)
+                plan.append([("+".join(PAIR_COMBOS[c]), PAIRS_PER_COMBO, shape)
+                             for shape in PAIR_SHAPES for c in combos.tolist()])
                 tasks.append({"index": index, "config": config, "backends": report.backends,
-                              "inject": [inject[i] for i in order]})
+                              "plan": plan})
                 index += 1
         planned += len(tasks)
         for out in runner.map(run_fault_task, tasks):
             report.fault_runs += 1
+            report.injections += len(out["injections"])
             config = tasks[out["index"] - first]["config"]
-            for name in (_mix_settings(report.layout)[0][0], "swa_window", "sources",
-                         "bytes_per_token"):
+            for name in ("page_size", "swa_window", "sources", "bytes_per_token"):
                 value = config[name] if name != "swa_window" else ("on" if config[name] else "off")
                 report.mix[(name, value)] += 1
             report.add_fp(out["fp"])
-            report.shortages += out["shortages"]
             report.unattributed += out["unattributed"]
             _keep(report.false_positives, out["false_positives"])
             _keep(report.errors, out["errors"])
             report.miss_count += len(out["misses"])
             _keep(report.misses, out["misses"])
             for key, cell in out["cells"].items():
-                backend, rules, kind, mode, scope = key.split("|")
-                report.cells.setdefault((backend, rules, kind, mode, scope), Cell()).add(cell)
+                backend, rules, t, kind, mode, scope = key.split("|")
+                report.cells.setdefault((backend, rules, t, kind, mode, scope), Cell()).add(cell)
                 if backend == report.backends[0] and rules == RULES[0]:
-                    injected[(kind, mode, scope)] += cell.injected
+                    injected[(t, kind, mode, scope)] += cell.injected
             if progress:
                 progress("fault runs", report.fault_runs, planned)
 
@@ -628,45 +687,71 @@ def _fired_text(cell: Cell) -> str:
 
 
 def table_rows(report: CampaignReport, backend: str, rules: str) -> list:
-    """``[kind, mode, injected, detected, rate, checks fired, status]`` per row."""
+    """``[class, kind, mode, injected, detected, rate, sites, checks fired, status]`` per row."""
     rows = []
-    for kind in layout_kinds(report.layout):
-        for mode in MODES:
-            for scope in scopes(kind, mode):
-                c = report.cell(backend, rules, kind, mode, scope)
-                should, why = designed(kind, mode, scope, rules)
-                name = f"{kind} ({scope})" if scope else kind
-                if should:
-                    rate = f"{100.0 * c.detected / c.visible:.2f}%" if c.visible else "-"
-                    status = "designed to see" + ("" if c.detected == c.visible else
-                                                  f"; MISSED {c.visible - c.detected}")
-                    rows.append([name, mode, str(c.injected), str(c.detected), rate,
-                                 _fired_text(c), status])
-                else:
-                    status = f"not designed to see: {why}" + (
-                        f"; {c.stray} with findings at the target" if c.stray else "")
-                    rows.append([name, mode, str(c.injected), "-", "n/a", _fired_text(c), status])
+    for target in TARGET_CLASSES:
+        for kind in FAULT_KINDS:
+            for mode in MODES:
+                for scope in scopes(kind, mode):
+                    c = report.cell(backend, rules, target, kind, mode, scope)
+                    should, why = designed(kind, mode, scope, rules, target)
+                    name = f"{kind} ({scope})" if scope else kind
+                    if should:
+                        rate = f"{100.0 * c.detected / c.visible:.2f}%" if c.visible else "-"
+                        status = "designed to see" + ("" if c.detected == c.visible else
+                                                      f"; MISSED {c.visible - c.detected}")
+                        rows.append([target, name, mode, str(c.injected), str(c.detected), rate,
+                                     f"{c.sites} ({c.multi_row})", _fired_text(c), status])
+                    else:
+                        status = f"not designed to see: {why}" + (
+                            f"; {c.stray} with findings at a site" if c.stray else "")
+                        rows.append([target, name, mode, str(c.injected), "-", "n/a", "-",
+                                     _fired_text(c), status])
     return rows
 
 
-HEADER = ["fault kind", "mode", "injected", "detected", "rate", "checks fired at the target",
-          "status"]
+HEADER = ["target", "fault kind", "mode", "injected", "detected", "rate",
+          "sites checked (2+ rows)", "checks fired at the sites", "status"]
+NUMERIC = ("injected", "detected", "rate", "sites checked (2+ rows)")
+CLASS_HEADER = ["target", "injected", "designed to see", "detected", "rate",
+                "not designed to see", "sites checked", "faults seen by 2+ request rows"]
+
+
+def class_rows(report: CampaignReport, backend: str, rules: str,
+               targets=TARGET_CLASSES) -> list:
+    """Totals per target class (or pair shape): ``CLASS_HEADER`` columns."""
+    rows = []
+    for target in targets:
+        total = Cell()
+        for (b, r, t, _, _, _), cell in report.cells.items():
+            if (b, r, t) == (backend, rules, target):
+                total.add(cell)
+        rate = f"{100.0 * total.detected / total.visible:.2f}%" if total.visible else "-"
+        rows.append([target, str(total.injected), str(total.visible), str(total.detected), rate,
+                     str(total.injected - total.visible), str(total.sites),
+                     str(total.multi_row)])
+    return rows
 
 
 def _summary_lines(report: CampaignReport) -> list:
     r = report
     ran = ", ".join(r.backends)
     skipped = "; ".join(f"{b} not run: {why}" for b, why in r.skipped_backends.items())
-    total = sum(r.cell(r.backends[0], RULES[0], *cell).injected for cell in all_cells(r.layout))
-    tables = ("page sizes 1/16/64" if r.layout == "per-token" else
-              "paged: block tables of {}-slot blocks".format("/".join(map(str, BLOCK_SIZES))))
+    total = sum(r.cell(r.backends[0], RULES[0], *cell).injected for cell in all_cells())
+    census = ", ".join(f"{t} {r.clean_census[t]}" for t in TARGET_CLASSES)
+    fewest = ", ".join(f"{t} {r.clean_census_min.get(t, 0)}" for t in CLEAN_RUN_CLASSES)
     lines = [
         f"seed {r.seed}, {r.faults_per_kind} faults per kind and mode at least, "
         f"{r.clean_runs} clean runs, {r.jobs} job(s), {r.elapsed_s:.1f} s on {r.machine}",
         f"backends: {ran}" + (f" ({skipped})" if skipped else ""),
-        f"workloads: {r.fault_runs} fault runs in {r.rounds} round(s), {total} faults "
-        f"injected, each audited on every backend with kvcanary's rules and with --compat; "
-        f"{tables}, SWA on and off, 0-4 real-KV sources, modes none/partial/all",
+        f"workloads: {r.fault_runs} fault runs in {r.rounds} round(s), {r.injections} "
+        f"injections, {total} faults injected at {len(TARGET_CLASSES)} target classes, each "
+        f"audited on every backend with kvcanary's rules and with --compat; page sizes "
+        f"1/16/64, SWA on and off, 0-4 real-KV sources, modes none/partial/all",
+        f"clean runs: {r.clean_runs - len(r.clean_missing)} of {r.clean_runs} verify shared "
+        f"prefix-cache entries, a window head and a chunk boundary (fewest in one run: "
+        f"{fewest}; {r.clean_replaced} sampled workloads without them replaced); entries "
+        f"verified over all clean runs by class: {census}",
         f"false positives: {r.false_positive_count} ({r.clean_violations} violations in "
         f"{r.clean_audits} audits of {r.clean_runs} clean runs, {r.prefault_violations} in "
         f"{r.prefault_audits} audits of fault runs before injection, "
@@ -674,22 +759,14 @@ def _summary_lines(report: CampaignReport) -> list:
         "verify failures)",
         "fault runs by setting: " + "; ".join(
             f"{words} " + ", ".join(f"{value}: {r.mix[(name, value)]}" for value in values)
-            for name, words, values in (*_mix_settings(r.layout),
+            for name, words, values in (("page_size", "page size", PAGE_SIZES),
                                         ("swa_window", "SWA", ("off", "on")),
                                         ("sources", "real-KV sources", range(5)),
                                         ("bytes_per_token", "KV bytes per token",
                                          BYTES_PER_TOKEN))),
-        f"unattributed findings: {r.unattributed}; fault plans reduced to fit a small live "
-        f"set: {r.shortages}",
+        f"unattributed findings: {r.unattributed}",
     ]
     return lines
-
-
-def _mix_settings(layout: str) -> tuple:
-    """The layout's own setting in the "fault runs by setting" line."""
-    if layout == "paged":
-        return (("block_size", "block size", BLOCK_SIZES),)
-    return (("page_size", "page size", PAGE_SIZES),)
 
 
 def _verdict_lines(report: CampaignReport) -> list:
@@ -701,7 +778,8 @@ def _verdict_lines(report: CampaignReport) -> list:
     lines += [f"- {f}" for f in failures[:MAX_REPORTED]]
     for miss in report.misses:
         lines.append(
-            f"- missed {miss['kind']} (mode {miss['mode']}, {miss['backend']}, {miss['rules']}): "
+            f"- missed {miss['kind']} at a {miss['target']} entry (mode {miss['mode']}, "
+            f"{miss['backend']}, {miss['rules']}): "
             f"request row {miss['request_row']}, position {miss['position']}, slot "
             f"{miss['slot']}, detail {miss['detail']}; expected {'+'.join(miss['expected'])}, "
             f"fired {'+'.join(miss['fired']) or 'nothing'}; seed {miss['config']['seed']}; "
@@ -715,17 +793,31 @@ def _verdict_lines(report: CampaignReport) -> list:
     return lines
 
 
+def _markdown_table(header: list, rows: list) -> list:
+    out = ["| " + " | ".join(header) + " |",
+           "| " + " | ".join("---" if i == 0 or header[i] in ("fault kind", "mode", "status",
+                                                               "checks fired at the sites")
+                             else "---:" for i in range(len(header))) + " |"]
+    out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return out
+
+
 def render_markdown(report: CampaignReport) -> str:
-    out = ["## kvcanary coverage campaign" + _layout_title(report), ""]
+    out = ["## kvcanary coverage campaign", ""]
     out += [f"- {line}" for line in _summary_lines(report)]
     for backend in report.backends:
         for rules in RULES:
+            out += ["", f"### {backend} backend, {RULE_WORDS[rules]}: totals by target class", ""]
+            out += _markdown_table(CLASS_HEADER, class_rows(report, backend, rules))
+    out += ["", "### Interacting faults (pairs, each fault scored at its own sites)", ""]
+    out += _markdown_table(["backend", "rules"] + CLASS_HEADER, [
+        [backend, rules] + row for backend in report.backends for rules in RULES
+        for row in class_rows(report, backend, rules, PAIR_SHAPES)])
+    out += [""] + [f"- not paired: {a} + {b}: {why}" for (a, b), why in PAIRS_NOT_UNION.items()]
+    for backend in report.backends:
+        for rules in RULES:
             out += ["", f"### {backend} backend, {RULE_WORDS[rules]}", ""]
-            out.append("| " + " | ".join(HEADER) + " |")
-            out.append("| " + " | ".join("---:" if h in ("injected", "detected", "rate") else "---"
-                                         for h in HEADER) + " |")
-            for row in table_rows(report, backend, rules):
-                out.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+            out += _markdown_table(HEADER, table_rows(report, backend, rules))
     out += ["", "### False positives", "",
             "| backend | rules | clean-run audits | violations | pre-injection audits | violations |",
             "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -740,28 +832,32 @@ def render_markdown(report: CampaignReport) -> str:
 
 
 def render_text(report: CampaignReport) -> str:
-    out = ["kvcanary coverage campaign" + _layout_title(report)]
-    out += [f"  {line}" for line in _summary_lines(report)]
+    out = ["kvcanary coverage campaign"] + [f"  {line}" for line in _summary_lines(report)]
     for backend in report.backends:
         for rules in RULES:
             rows = [HEADER] + table_rows(report, backend, rules)
             widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
             out += ["", f"{backend} backend, {RULE_WORDS[rules]}:"]
             for n, row in enumerate(rows):
-                cells = [row[i].rjust(widths[i]) if HEADER[i] in ("injected", "detected", "rate")
+                cells = [row[i].rjust(widths[i]) if HEADER[i] in NUMERIC
                          else row[i].ljust(widths[i]) for i in range(len(widths))]
                 out.append("  ".join(cells + [row[-1]]).rstrip())
                 if n == 0:
                     out.append("-" * (sum(widths) + 2 * len(widths) + len("status")))
+    out += ["", "interacting pairs:"]
+    for backend in report.backends:
+        for rules in RULES:
+            for row in class_rows(report, backend, rules, PAIR_SHAPES):
+                out.append(f"  {backend} {rules} {row[0]}: {row[1]} faults, {row[3]} of "
+                           f"{row[2]} detected ({row[4]})")
     out += [""] + _verdict_lines(report)
     return "\n".join(out) + "\n"
 
 
-def _layout_title(report: CampaignReport) -> str:
-    return ", paged layout (block tables)" if report.layout == "paged" else ""
-
-
 def render(report: CampaignReport, fmt: str) -> str:
+    if getattr(report, "layout", "per-token") == "paged":
+        from . import campaign_paged
+        return campaign_paged.render(report, fmt)
     if fmt == "markdown":
         return render_markdown(report)
     if fmt == "json":

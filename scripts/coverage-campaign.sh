@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The detection-coverage campaign behind docs/coverage.md: at least 1,000 faults of every kind
-# in every real-KV hash mode, 200 clean runs, seed 0, every CPU core; markdown on stdout (or in
+# at every target class in every real-KV hash mode, 200 clean runs, seed 0, every CPU core; markdown on stdout (or in
 # the file given as the first argument). Extra arguments go to `kvcanary campaign`, e.g.
 #   scripts/coverage-campaign.sh /tmp/coverage.md --backend numpy
 # Exit status: 0 every target met, 1 a target missed (each miss names the commands that

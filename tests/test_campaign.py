@@ -27,9 +27,9 @@ from kvcanary.campaign import (
 from kvcanary.cli.main import main
 from kvcanary.consts import FailReason
 from kvcanary.dump import load
-from kvcanary.synth import FAULT_KINDS, MODES, faults_from_dump
+from kvcanary.synth import MODES, TARGET_CLASSES, faults_from_dump
 
-SMALL = dict(faults_per_kind=20, clean_runs=5, seed=3, backend="numpy")
+SMALL = dict(faults_per_kind=10, clean_runs=5, seed=3, backend="numpy")
 
 
 @pytest.fixture(scope="module")
@@ -44,44 +44,61 @@ def test_small_campaign_meets_every_target(report):
     assert report.clean_audits == SMALL["clean_runs"] * len(RULES)
     assert report.prefault_audits == report.fault_runs * len(RULES)
     assert report.unattributed == 0 and report.miss_count == 0
-    for kind, mode, scope in all_cells():
+    for target, kind, mode, scope in all_cells():
         for rules in RULES:
-            cell = report.cell("numpy", rules, kind, mode, scope)
-            assert cell.injected >= SMALL["faults_per_kind"], (kind, mode, scope)
-            should, _ = designed(kind, mode, scope, rules)
+            cell = report.cell("numpy", rules, target, kind, mode, scope)
+            assert cell.injected >= SMALL["faults_per_kind"], (target, kind, mode, scope)
+            should, _ = designed(kind, mode, scope, rules, target)
             if should:
                 assert cell.visible == cell.injected and cell.detected == cell.visible
+                assert cell.sites >= cell.visible
             else:
                 assert cell.visible == 0 and cell.stray == 0 and not cell.fired
+    # Shared records are checked in every request row that maps them.
+    assert report.cell("numpy", "kvcanary", "shared", "token", "all").multi_row > 0
+    assert report.cell("numpy", "kvcanary", "interior", "token", "all").multi_row == 0
 
 
 def test_checks_fired_are_the_expected_ones(report):
-    fired = report.cell("numpy", "kvcanary", "token", "all").fired
+    fired = report.cell("numpy", "kvcanary", "interior", "token", "all").fired
     assert set(fired) == {"verify_token"}
-    fired = report.cell("numpy", "kvcanary", "real-kv-byte", "partial", LOW).fired
+    fired = report.cell("numpy", "kvcanary", "last", "real-kv-byte", "partial", LOW).fired
     assert set(fired) == {"verify_real_kv_hash"}
-    lost = report.cell("numpy", "kvcanary", "lost-write", "none")
-    assert lost.fired["verify_position"] == lost.injected
-    assert lost.fired["verify_chain_hash"] == lost.injected
-    zero = report.cell("numpy", "kvcanary", "slot-zero", "partial")
+    for target in ("interior", "chunk-boundary", "last", "shared"):
+        lost = report.cell("numpy", "kvcanary", target, "lost-write", "none")
+        assert lost.fired["verify_position"] == lost.injected
+        assert lost.fired["verify_chain_hash"] == lost.injected
+    # A lost write at position 0 keeps position 0; at a window head the chain check is vacuous.
+    head = report.cell("numpy", "kvcanary", "head", "lost-write", "all")
+    assert "verify_position" not in head.fired and head.fired["verify_chain_hash"] == head.injected
+    edge = report.cell("numpy", "kvcanary", "window-head", "lost-write", "all")
+    assert "verify_chain_hash" not in edge.fired and edge.fired["verify_position"] == edge.injected
+    zero = report.cell("numpy", "kvcanary", "head", "slot-zero", "partial")
     assert zero.fired == {"slot_zero_in_prefix": zero.injected}
 
 
 def test_not_designed_rows_carry_their_reason(report):
     text = render(report, "markdown")
-    rows = {tuple(cell.strip() for cell in line.strip("|").split("|")[:2]): line
+    rows = {tuple(cell.strip() for cell in line.strip("|").split("|")[:3]): line
             for line in text.splitlines() if line.startswith("| ") and "---" not in line}
-    assert "not designed to see: mode none does not hash real KV" in rows[("real-kv-byte", "none")]
-    assert "only the first 16 bytes" in rows[(f"real-kv-byte ({HIGH})", "partial")]
-    assert "designed to see" in rows[(f"real-kv-byte ({LOW})", "partial")]
+    assert "not designed to see: mode none does not hash real KV" in rows[
+        ("head", "real-kv-byte", "none")]
+    assert "only the first 16 bytes" in rows[("shared", f"real-kv-byte ({HIGH})", "partial")]
+    assert "designed to see" in rows[("cached", f"real-kv-byte ({LOW})", "partial")]
+    assert "chain check at a window head is vacuous" in rows[("window-head", "prev-hash", "all")]
+    assert "no expected token" in rows[("cached", "token", "none")]
+    assert "not the prefix cache's blocks" in rows[("cached", "slot-zero", "partial")]
+    assert rows[("window-head", "token", "all")].endswith("| designed to see |")
     compat = text[text.index("--compat (upstream"):]
     assert "SLOT_ZERO_IN_PREFIX audit extension" in compat
     assert "PASS" in text and "0 false positives" in text
     data = json.loads(render(report, "json"))
     assert data["passed"] is True and data["false_positives"]["total"] == 0
-    reasons = {(r["kind"], r["mode"], r["scope"], r["rules"]): r for r in data["cells"]}
-    assert reasons[("slot-zero", "all", "", "compat")]["designed_to_see"] is False
-    assert reasons[("slot-zero", "all", "", "kvcanary")]["rate"] == 1.0
+    reasons = {(r["target"], r["kind"], r["mode"], r["scope"], r["rules"]): r
+               for r in data["cells"]}
+    assert reasons[("head", "slot-zero", "all", "", "compat")]["designed_to_see"] is False
+    assert reasons[("head", "slot-zero", "all", "", "kvcanary")]["rate"] == 1.0
+    assert data["clean_runs"]["lacking_a_class"] == []
 
 
 def test_deterministic_and_independent_of_jobs(report):
@@ -98,26 +115,30 @@ def test_every_setting_is_sampled():
     assert {bool(c["swa_window"]) for c in configs} == {False, True}
 
 
-@pytest.mark.parametrize("small", [False, True], ids=["plan-fits", "plan-reduced"])
-def test_printed_command_rebuilds_the_faults(tmp_path, small):
-    config = sample_config(np.random.default_rng(0 if small else 5), "partial")
+def test_printed_command_rebuilds_the_faults(tmp_path):
+    config = sample_config(np.random.default_rng(5), "partial")
     config["sources"] = 2
-    if small:   # a live set too small for 3 faults of every kind: the plan shrinks
-        config.update(max_running=4, swa_window=24, requests=16)
-    out = run_fault_task({"index": 0, "config": config, "backends": ["numpy"],
-                          "inject": [(k, 3 if small else 2) for k in FAULT_KINDS]})
-    assert out["inject"] and not out["misses"]
-    assert bool(out["shortages"]) == small
-    command = campaign.synth_command(config, out["inject"]).replace("repro.npz",
-                                                                    str(tmp_path / "r.npz"))
-    args = shlex.split(command)
-    assert args[:2] == ["kvcanary", "synth"]
-    result = CliRunner().invoke(main, args[1:])
-    assert result.exit_code == 0, result.output
-    faults = faults_from_dump(load(str(tmp_path / "r.npz")))
-    assert [(f.kind, f.request_row, f.position, f.slot) for f in faults] == out["targets"]
-    assert len(out["targets"]) == sum(cell.injected for key, cell in out["cells"].items()
-                                      if "|kvcanary|" in key)
+    plan = [[(kind, campaign.PER_INJECTION[target], target) for target in campaign.FILL_ORDER]
+            for kind in ("token", "swap", "real-kv-byte")]
+    plan.append([("position+token", 4, "shared-block"), ("alias+prev-hash", 4, "chain-seam")])
+    out = run_fault_task({"index": 0, "config": config, "backends": ["numpy"], "plan": plan})
+    assert len(out["injections"]) == 4 and not out["misses"]
+    for index, done in enumerate(out["injections"]):
+        # Classes with fewer free entries than asked get what there is; the command names
+        # the counts placed, so it rebuilds the same faults.
+        assert ({"interior", "last", "cached"} <= {target for _, _, target in done}
+                or {target for _, _, target in done} == {"shared-block", "chain-seam"})
+        path = tmp_path / f"r{index}.npz"
+        command = campaign.synth_command(config, done).replace("repro.npz", str(path))
+        args = shlex.split(command)
+        assert args[:2] == ["kvcanary", "synth"]
+        result = CliRunner().invoke(main, args[1:])
+        assert result.exit_code == 0, result.output
+        faults = faults_from_dump(load(str(path)))
+        assert [(f.kind, f.target, f.request_row, f.position, f.slot)
+                for f in faults] == out["targets"][index]
+    assert sum(map(len, out["targets"])) == sum(
+        cell.injected for key, cell in out["cells"].items() if "|kvcanary|" in key)
 
 
 def drop_token_findings(monkeypatch):
@@ -138,11 +159,12 @@ def test_broken_detector_fails_the_campaign_and_names_the_miss(monkeypatch):
     broken = run_campaign(faults_per_kind=5, clean_runs=0, seed=1, backend="numpy", jobs=1)
     assert not broken.passed
     failures = broken.failures()
-    assert any(f.startswith("token in mode") and "were missed" in f for f in failures)
-    assert not any(f.startswith("position in mode") for f in failures)
-    assert broken.miss_count >= 5 * len(MODES) * len(RULES)
+    assert any(f.startswith("token at head entries in mode") and "were missed" in f
+               for f in failures)
+    assert not any(f.startswith("position at") for f in failures)
+    assert broken.miss_count >= 5 * len(MODES) * len(RULES) * (len(TARGET_CLASSES) - 1)
     miss = broken.misses[0]
-    assert miss["kind"] == "token" and miss["fired"] == []
+    assert miss["kind"] == "token" and miss["fired"] == [] and miss["sites"]
     assert "--seed" in miss["reproduce"] and "kvcanary audit" in miss["reproduce"]
     text = render(broken, "text")
     assert "FAIL" in text and "missed token" in text and "reproduce: kvcanary synth" in text
@@ -158,7 +180,8 @@ def test_cli_campaign_pass_and_formats(tmp_path):
     assert "PASS" in result.output
     text = out.read_text()
     assert text.startswith("## kvcanary coverage campaign")
-    assert "| token | none |" in text and "### False positives" in text
+    assert "| head | token | none |" in text and "### False positives" in text
+    assert "totals by target class" in text
     result = runner.invoke(main, ["campaign", "--faults-per-kind", "5", "--clean-runs", "1",
                                   "--backend", "numpy", "--format", "json", "--jobs", "1"])
     assert result.exit_code == 0, result.output

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvcanary import campaign
-from kvcanary.campaign import (
+from kvcanary import campaign_paged as campaign
+from kvcanary.campaign_paged import (
     BLOCK_SIZES,
     RULES,
     all_cells,

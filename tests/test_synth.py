@@ -14,6 +14,7 @@ from kvcanary.dump import load, save
 from kvcanary.synth import (
     EXPECTED_BITS,
     FAULT_KINDS,
+    TARGET_CLASSES,
     SynthConfig,
     SynthError,
     Synthesis,
@@ -153,8 +154,15 @@ def test_faults_hit_distinct_entries():
 
 
 def test_parse_inject_and_bad_options():
-    assert parse_inject(["token", "alias:3"]) == [("token", 1), ("alias", 3)]
-    assert [k for k, _ in parse_inject(["all"])] == list(FAULT_KINDS)
+    assert parse_inject(["token", "alias:3@head"]) == [("token", 1, "interior"),
+                                                        ("alias", 3, "head")]
+    assert [k for k, _, _ in parse_inject(["all"])] == list(FAULT_KINDS)
+    assert [t for _, _, t in parse_inject(["swap:2@all"])] == list(TARGET_CLASSES)
+    with pytest.raises(SynthError, match="unknown target class 'middle'"):
+        parse_inject(["token@middle"])
+    assert parse_inject(["token+alias:2@chain-seam"]) == [("token+alias", 2, "chain-seam")]
+    with pytest.raises(SynthError, match="a pair shape takes KIND\\+KIND"):
+        parse_inject(["slot-zero+token@shared-block"])
     with pytest.raises(SynthError, match="unknown fault kind 'bogus'"):
         parse_inject(["bogus"])
     with pytest.raises(SynthError, match="COUNT must be an integer"):

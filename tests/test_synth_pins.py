@@ -11,21 +11,34 @@ import numpy as np
 import pytest
 
 from kvcanary.campaign import render, run_campaign
-from kvcanary.synth import FAULT_KINDS, SynthConfig, Synthesis
+from kvcanary.synth import FAULT_KINDS, PAGED_FAULT_KINDS, SynthConfig, Synthesis, SynthError
 
 SMALL = dict(requests=24, num_slots=1024, max_running=8, prompt_len=(8, 48), output_len=(4, 16),
              shared_prefix_len=(16, 40))
 
 SYNTH_PINS = [
-    (dict(seed=0), "c510ca14474421dfd36037d280bd662d6d492a1b1a798ac898216ed0287d537a"),
+    (dict(seed=0), "c528542a9f81446db36d6b470e70a79a528f3f7423a1c1e5eb2e262eef34875c"),
     (dict(seed=5, page_size=4, swa_window=24, sources=3, mode="partial"),
-     "c9f6a801296219990c4b82dd6a3aacc6af087dc7fa7b0bed02737772bf147052"),
+     "129ff2c63c492fdfa08ccebba3969e9f7e68fd98ac18a4117c70131d2fbd37dc"),
     (dict(seed=1, page_size=16, num_slots=2048, sources=2, chunk_size=17),
-     "9a51ac899fd9702d9940f09c47fa148cbdea8722cfa66a7a58af215761e39b4d"),
+     "46b59aa71ed131786be7dc298c02f640e5faddbfbacba20680db2bb36001f440"),
     (dict(seed=2, swa_window=40, sources=4, mode="none", bytes_per_token=48),
-     "7fd6a991122af3cf6c3b5baf5ed37ef82517bd646d0c6d2e331ad12349b6e106"),
+     "e90901627d5620e9d6c3eeb05d4bf2bf0c956228873764da0d6aa75e5ec0ecf3"),
 ]
-CAMPAIGN_PIN = "8f7787704a162378535e1bb89f59b0d669d469d97ebb600f5dc01c2f5d7e4210"
+CAMPAIGN_PIN = "e8517952b2a109bda639ad148a5f8c907c836dc2c1997d230219ae25c48beba3"
+# Paged engines (block tables): every paged fault kind, twice where the run has room (a kind
+# that runs out is refused, and the refusals are pinned too); paged faults have no classes.
+PAGED_SYNTH_PINS = [
+    (dict(seed=0, block_size=4),
+     "1c0f49fc474a1edaa8123bcbbd1df2762da5faf768a3886bba67b44a8d4adc82", []),
+    (dict(seed=5, block_size=8, swa_window=24, sources=3, mode="partial"),
+     "f4b985aec7c71b6a820471d6a4958d62825101e665a3b458e646a0f360339add", ["swap", "evicted-block"]),
+    (dict(seed=1, block_size=16, num_slots=2048, sources=2, chunk_size=17),
+     "4163e078f6b272f2cfb091468c8948235636d0b67a9646a26a842ce0c24913c5", ["swap"]),
+    (dict(seed=3, block_size=4, sources=2, mode="none"),
+     "76b8babf6127c829a48ac81a1eabb5acc96c497297d8ba8ccd827a95ad70efcd", []),
+]
+PAGED_CAMPAIGN_PIN = "ace49221513009543ebad71dd87d3302ff9829695f523adfd52e24b8d6472736"
 
 
 def digest_arrays(arrays: dict) -> str:
@@ -54,13 +67,36 @@ def test_synth_dump_is_pinned(options, expected):
     assert digest_arrays(synthesis.arrays()) == expected
 
 
-def test_small_campaign_is_pinned():
-    report = run_campaign(faults_per_kind=2, clean_runs=2, seed=1, backend="numpy", jobs=1)
+@pytest.mark.parametrize("options, expected, refused", PAGED_SYNTH_PINS,
+                         ids=["block4", "block8-swa-partial", "block16-chunk17", "block4-none"])
+def test_paged_synth_dump_is_pinned(options, expected, refused):
+    synthesis = Synthesis(SynthConfig(**{**SMALL, **options})).run()
+    ran_out = []
+    for kind in PAGED_FAULT_KINDS:
+        if kind != "real-kv-byte" or synthesis.sources:
+            try:
+                synthesis.inject(kind, 2)
+            except SynthError:
+                ran_out.append(kind)
+    assert ran_out == refused
+    assert digest_arrays(synthesis.arrays()) == expected
+
+
+def campaign_digest(**options) -> str:
+    report = run_campaign(faults_per_kind=2, clean_runs=2, seed=1, backend="numpy", jobs=1,
+                          **options)
     data = json.loads(render(report, "json"))
     for key in ("elapsed_s", "machine", "jobs", "skipped_backends"):
         del data["campaign"][key]
-    text = json.dumps(data, sort_keys=True)
-    assert hashlib.sha256(text.encode()).hexdigest() == CAMPAIGN_PIN
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def test_small_campaign_is_pinned():
+    assert campaign_digest() == CAMPAIGN_PIN
+
+
+def test_small_paged_campaign_is_pinned():
+    assert campaign_digest(layout="paged") == PAGED_CAMPAIGN_PIN
 
 
 def test_a_copied_synthesis_hashes_the_kv_it_writes():

@@ -12,7 +12,9 @@ The parts of a serving engine, one module each:
 * ``scheduler``: admission, chunked prefill, decode, finish.
 * ``kv_pool``: the canary records and real KV a step writes, and the canary launches of a
   step (plan, periodic verify, TAIL write); a violation in the honest run raises.
-* ``faults``: fault injection into the final state, one request-owned entry per fault.
+* ``faults``: fault injection into the final state, at target classes (request heads, last
+  tokens, window heads, chunk boundaries, shared and cached prefix blocks, the interior).
+* ``faults_paged``: a paged engine's faults (whole blocks lost; interior entries only).
 * ``dump_writer``: the dump keys of a run (live requests, cache blocks as sweep entries,
   ground truth under ``synth_`` keys).
 * ``scoring``: ground truth read back from a dump and matched against an audit's findings.
@@ -24,22 +26,15 @@ launch on the CUDA kernels (the library moves the arrays per launch, so keep suc
 
 from .config import MAX_SEED, MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
 from .engine import Synthesis, synthesize
-from .faults import (
-    EXPECTED_BITS,
-    FAULT_DESCRIPTIONS,
-    FAULT_KINDS,
-    PAGED_FAULT_DESCRIPTIONS,
-    PAGED_FAULT_KINDS,
-    Fault,
-    fault_kinds,
-    inapplicable_kinds,
-    parse_inject,
-)
+from .faults import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, PAGED_FAULT_DESCRIPTIONS,
+                     PAGED_FAULT_KINDS, TARGET_CLASSES, TARGET_DESCRIPTIONS, Fault, Site,
+                     fault_kinds, inapplicable_kinds, parse_inject, site_bits)
 from .scoring import FaultOutcome, fault_note, faults_from_dump, score
 
 __all__ = [
     "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MAX_SEED", "MODES",
-    "PAGED_FAULT_DESCRIPTIONS", "PAGED_FAULT_KINDS", "SOURCE_DTYPES", "Fault", "FaultOutcome",
-    "Stats", "SynthConfig", "SynthError", "Synthesis", "fault_kinds", "fault_note",
-    "faults_from_dump", "inapplicable_kinds", "parse_inject", "score", "synthesize",
+    "PAGED_FAULT_DESCRIPTIONS", "PAGED_FAULT_KINDS", "SOURCE_DTYPES", "TARGET_CLASSES",
+    "TARGET_DESCRIPTIONS", "Fault", "FaultOutcome", "Site", "Stats", "SynthConfig", "SynthError",
+    "Synthesis", "fault_kinds", "fault_note", "faults_from_dump", "inapplicable_kinds",
+    "parse_inject", "score", "site_bits", "synthesize",
 ]

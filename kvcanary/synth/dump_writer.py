@@ -8,7 +8,8 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .faults import fault_kinds
+from .faults import PAIR_SHAPES, SWEEP, TARGET_CLASSES, fault_kinds
+from .prefix_cache import SweepIndex
 
 
 def live_requests(running) -> tuple:
@@ -21,23 +22,10 @@ def live_requests(running) -> tuple:
 def sweep_entries(cache, lut):
     """``(slots, prev_slots, positions)`` of every cached block's entries (canary slots), or
     None when the cache is empty; a block's first entry links to its parent's last."""
-    slots, prevs, positions = [], [], []
-    B = cache.block_tokens
-    for block in cache.values():
-        own = block.slots.astype(np.int64)
-        prev = np.empty_like(own)
-        prev[0] = block.parent.slots[-1] if block.parent is not None else -1
-        prev[1:] = own[:-1]
-        slots.append(own)
-        prevs.append(prev)
-        positions.append(block.depth * B + np.arange(B, dtype=np.int64))
-    if not slots:
+    index = SweepIndex(cache, lut)
+    if index.slots.shape[0] == 0:
         return None
-    slots, prevs = np.concatenate(slots), np.concatenate(prevs)
-    if lut is not None:
-        slots = lut[slots]
-        prevs = np.where(prevs >= 0, lut[np.maximum(prevs, 0)], prevs)
-    return slots, prevs, np.concatenate(positions)
+    return index.slots, index.prevs, index.positions
 
 
 def dump_arrays(synthesis) -> dict:
@@ -75,4 +63,17 @@ def dump_arrays(synthesis) -> dict:
     for name in ("batch_index", "request_row", "position", "slot", "expected_bits", "detail"):
         out[f"synth_fault_{name}"] = np.array([getattr(x, name) for x in f], dtype=np.int64)
     out["synth_fault_visible"] = np.array([int(x.visible) for x in f], dtype=np.int64)
+    if c.paged:
+        return out   # paged faults are scored at their target entry (no classes, no sites)
+    targets = TARGET_CLASSES + PAIR_SHAPES
+    out["synth_fault_targets"] = ",".join(targets)
+    out["synth_fault_target"] = np.array([targets.index(x.target) for x in f], dtype=np.int64)
+    # Sites, fault after fault: the entries each must fire at (sweep entries have row -1).
+    sites = [site for x in f for site in x.sites]
+    out["synth_fault_site_count"] = np.array([len(x.sites) for x in f], dtype=np.int64)
+    out["synth_fault_site_sweep"] = np.array([int(x.entry == SWEEP) for x in sites],
+                                             dtype=np.int64)
+    for name in ("request_row", "position", "slot", "bits"):
+        out[f"synth_fault_site_{name}"] = np.array([getattr(x, name) for x in sites],
+                                                   dtype=np.int64)
     return out

@@ -10,7 +10,8 @@ import numpy as np
 from .allocator import SlotAllocator
 from .config import Stats, SynthConfig, SynthError
 from .dump_writer import dump_arrays, live_requests, sweep_entries
-from .faults import FaultInjector
+from .faults import DEFAULT_TARGET, FaultInjector
+from .faults_paged import PagedFaultInjector
 from .kv_pool import KvPool
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
@@ -33,7 +34,7 @@ class Synthesis:
         self.scheduler = Scheduler(c, self.allocator, self.cache, self.workload, self.pool,
                                    self.stats)
         self.faults: list = []
-        self.injector = FaultInjector(self)
+        self.injector = PagedFaultInjector(self) if c.paged else FaultInjector(self)
 
     # The state readers (tests, the CLI, fault injection) look at.
     table = property(lambda self: self.scheduler.table.array)   # req_to_token or block_table
@@ -68,9 +69,14 @@ class Synthesis:
     def _step(self) -> None:
         self.scheduler.step()
 
-    def inject(self, kind: str, count: int = 1) -> list:
-        """Inject ``count`` faults of ``kind`` into the final state; returns them."""
-        return self.injector.inject(kind, count)
+    def inject(self, kind: str, count: int = 1, target: str = DEFAULT_TARGET) -> list:
+        """Inject ``count`` faults of ``kind`` at ``target`` entries of the final state (a
+        SynthError when fewer fit); returns them."""
+        return self.injector.inject(kind, count, target)
+
+    def inject_up_to(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
+        """Inject at most ``count`` faults, as many as there are free ``target`` entries."""
+        return self.injector.inject_up_to(kind, count, target)
 
     def live(self) -> tuple:
         return live_requests(self.running)
@@ -83,8 +89,8 @@ class Synthesis:
 
 
 def synthesize(config: SynthConfig, inject=(), progress=None) -> Synthesis:
-    """Run the simulation, then inject ``[(kind, count), ...]``."""
+    """Run the simulation, then inject ``[(kind, count[, target class]), ...]``."""
     synthesis = Synthesis(config).run(progress=progress)
-    for kind, count in inject:
-        synthesis.inject(kind, count)
+    for kind, count, *target in inject:
+        synthesis.inject(kind, count, *target)
     return synthesis

@@ -1,20 +1,25 @@
 """Fault injection into a finished run's state, with ground truth.
 
-Each fault targets a request-owned live entry (not shared with another request or the prefix
-cache) and its own slot, never next to another target of the same request, so faults of one
-run never interact: a fault that changes a record breaks its successor's chain link, and that
-successor is never another fault's target.
+A fault has a kind (what goes wrong) and a target class (where: a request's head, a shared
+prefix-cache block, a window edge, ...). Its ground truth is the list of *sites*, the verify
+entries that read what the fault changed, each with the bits it must fire there: every live
+request that maps a changed record (and the prefix cache's sweep entry of it), or the one
+entry whose table slot changed.
 
-A paged engine (``block_size > 0``) loses whole blocks: its table faults change a block-table
-entry (every position of the block goes wrong, and none of them, nor the entry after the
-block, is another fault's target), ``stale-reuse`` rewrites a whole block, and
-``evicted-block`` (paged only) takes a prefix-cache block that live requests still map out of
-the cache and rewrites it.
+Faults of one injector never interact: a target's slot is never another target's slot or a
+chain neighbour of one (in any request row or sweep chain), because a changed record breaks
+its successor's chain link. Candidates are filtered without random draws and a failed pick
+gives its draws back, so ``inject(kind, n)`` after ``k`` placed faults of a kind that ran out
+leaves the generator exactly where ``inject(kind, k)`` would have.
+
+A target class is a mask over the verify entries of the final state (``_class_masks``). A
+paged engine's faults are placed by :mod:`.faults_paged` (interior entries of request-owned
+blocks); block-first and block-last classes would be two more masks here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +27,7 @@ from .. import api
 from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
 from ..types import WritePlan
 from .config import SynthError
+from .prefix_cache import SweepIndex
 
 FAULT_KINDS = ("token", "position", "prev-hash", "real-kv-byte", "alias", "swap",
                "stale-reuse", "slot-zero", "lost-write")
@@ -45,7 +51,37 @@ PAGED_FAULT_DESCRIPTIONS = {
     "slot-zero": "a live block-table entry set to the null block 0",
     "evicted-block": "a cached block evicted while live requests map it, then rewritten",
 }
-# Bits that must be present at the fault's target entry for it to count as detected.
+TARGET_CLASSES = ("head", "interior", "last", "chunk-boundary", "window-head", "shared",
+                  "cached")
+DEFAULT_TARGET = "interior"
+TARGET_DESCRIPTIONS = {
+    "head": "position 0 of a live request (owned, or the first slot of a shared prefix)",
+    "interior": "a request-owned entry whose predecessor and successor are verified",
+    "last": "a live request's last written token (it has no successor)",
+    "chunk-boundary": "the first token of a later chunk of a chunked prefill",
+    "window-head": "the first entry of a sliding window, its predecessor's SWA slot freed",
+    "shared": "a slot of a prefix-cache block that live requests map",
+    "cached": "a slot of a prefix-cache block no live request maps (a sweep entry only)",
+}
+# Two faults placed next to each other where real bugs interact, ``KIND+KIND`` at a shape:
+# two entries of one shared prefix-cache block, or a shared prefix's last entry and the first
+# entry the request wrote after it (a chain seam). Each fault is scored at its own sites, so
+# a site both reach must fire the union of their bits. slot-zero is not paired: a predecessor
+# in slot 0 makes the next entry's chain check vacuous (verify's unfilled-slot rule), so it
+# would hide a chain fault beside it; real-kv-byte is not paired either (mode-dependent).
+PAIR_SHAPES = ("shared-block", "chain-seam")
+PAIR_KINDS = ("token", "position", "prev-hash", "alias", "stale-reuse", "lost-write")
+# Pairs whose joint effect is not the union of each alone, and why.
+PAIRS_NOT_UNION = {
+    ("lost-write", "lost-write"): "the chain link of an all-zero record is 0, so a zeroed "
+                                  "record right after another zeroed record holds a "
+                                  "consistent link: only the position check sees the second",
+}
+PAIR_DESCRIPTIONS = {
+    "shared-block": "two faults in one prefix-cache block that live requests map",
+    "chain-seam": "a fault on a shared prefix's last entry and one on the request's next entry",
+}
+# Bits a fault fires at an interior target (other targets: :func:`site_bits`).
 EXPECTED_BITS = {
     "token": FailReason.VERIFY_TOKEN_MISMATCH,
     "position": FailReason.VERIFY_POSITION_MISMATCH,
@@ -58,6 +94,39 @@ EXPECTED_BITS = {
     "lost-write": FailReason.VERIFY_POSITION_MISMATCH | FailReason.VERIFY_CHAIN_HASH_MISMATCH,
     "evicted-block": FailReason.VERIFY_POSITION_MISMATCH,
 }
+REQUEST, SWEEP = "request", "sweep"
+
+
+def site_bits(kind: str, entry: str, position: int, prev: int, real_kv_visible: bool) -> int:
+    """The bits a fault of ``kind`` must fire at one verify entry it changed: a request entry
+    or a sweep entry at ``position`` whose predecessor slot is ``prev`` (-1: chain head, 0:
+    unreachable, its chain check vacuous)."""
+    if kind == "token":
+        # Sweep entries carry no expected token: the prefix cache keeps no token pool.
+        return int(FailReason.VERIFY_TOKEN_MISMATCH) if entry == REQUEST else 0
+    if kind == "prev-hash":
+        return int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) if prev != 0 else 0
+    if kind == "real-kv-byte":
+        return int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH) if real_kv_visible else 0
+    if kind == "slot-zero":
+        # Verify skips slot 0 as unfilled; the extension flags it in live requests only.
+        return int(FailReason.SLOT_ZERO_IN_PREFIX) if entry == REQUEST else 0
+    if kind == "lost-write":
+        # A zero record holds position 0 and chain link 0.
+        return ((int(FailReason.VERIFY_POSITION_MISMATCH) if position != 0 else 0)
+                | (int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) if prev != 0 else 0))
+    return int(EXPECTED_BITS[kind])
+
+
+@dataclass(frozen=True)
+class Site:
+    """A verify entry a fault changed: ``entry`` is ``request`` (``request_row``, ``position``)
+    or ``sweep`` (``position``, ``slot``); ``slot`` is what the entry reads after the fault."""
+    entry: str
+    request_row: int
+    position: int
+    slot: int
+    bits: int
 
 
 def fault_kinds(paged: bool) -> tuple:
@@ -76,6 +145,8 @@ class Fault:
     visible: bool
     detail: int = -1
     note: str = ""
+    target: str = DEFAULT_TARGET
+    sites: tuple = field(default_factory=tuple)
 
 
 def inapplicable_kinds(config) -> dict:
@@ -86,27 +157,53 @@ def inapplicable_kinds(config) -> dict:
 
 
 def parse_inject(specs, config=None) -> list:
-    """``["token", "alias:3"]`` -> ``[("token", 1), ("alias", 3)]``; ``all`` means every
-    kind of the layout that applies to ``config`` (see :func:`fault_kinds` and
-    :func:`inapplicable_kinds`)."""
+    """``["token", "alias:3@head"]`` -> ``[("token", 1, "interior"), ("alias", 3, "head")]``;
+    kind ``all`` means every kind that applies to ``config`` (see :func:`inapplicable_kinds`),
+    class ``all`` every target class; ``token+position:2@chain-seam`` places two interacting
+    pairs. A paged ``config`` takes the paged kinds (:func:`fault_kinds`), at interior entries
+    only."""
     skipped = inapplicable_kinds(config) if config is not None else {}
-    layout = fault_kinds(config is not None and config.paged)
+    paged = config is not None and config.paged
     result = []
     for spec in specs:
-        kind, _, count = spec.partition(":")
-        kind = kind.strip()
+        body, _, target = spec.partition("@")
+        kind, _, count = body.partition(":")
+        kind, target = kind.strip(), target.strip() or DEFAULT_TARGET
         try:
             number = int(count) if count else 1
         except ValueError:
             raise SynthError(f"--inject {spec}: COUNT must be an integer") from None
-        kinds = [k for k in layout if k not in skipped] if kind == "all" else (kind,)
+        if number < 1:
+            raise SynthError(f"--inject {spec}: COUNT must be at least 1")
+        kinds = ([k for k in fault_kinds(paged) if k not in skipped] if kind == "all"
+                 else (kind,))
+        targets = TARGET_CLASSES if target == "all" and not paged else (target,)
         for name in kinds:
-            if name not in layout:
-                raise SynthError(_unknown_kind(name, layout) + ", or all)")
-            if number < 1:
-                raise SynthError(f"--inject {spec}: COUNT must be at least 1")
-            result.append((name, number))
+            for where in targets:
+                _check(name, where, paged)
+                result.append((name, number, where))
     return result
+
+
+def _check(kind: str, target: str, paged: bool = False) -> None:
+    if paged:
+        if kind not in PAGED_FAULT_KINDS:
+            raise SynthError(_unknown_kind(kind, PAGED_FAULT_KINDS) + ", or all)")
+        if target != DEFAULT_TARGET:
+            raise SynthError(f"--inject {kind}@{target}: a paged run (--block-size) places "
+                             f"faults at {DEFAULT_TARGET} entries only")
+        return
+    if target in PAIR_SHAPES:
+        first, plus, second = kind.partition("+")
+        if not plus or first not in PAIR_KINDS or second not in PAIR_KINDS:
+            raise SynthError(f"--inject {kind}@{target}: a pair shape takes KIND+KIND, each "
+                             f"one of {', '.join(PAIR_KINDS)}")
+        return
+    if kind not in FAULT_KINDS:
+        raise SynthError(_unknown_kind(kind, FAULT_KINDS) + ", or all)")
+    if target not in TARGET_CLASSES:
+        raise SynthError(f"--inject: unknown target class {target!r} (one of "
+                         f"{', '.join(TARGET_CLASSES + PAIR_SHAPES)}, or all)")
 
 
 def _unknown_kind(name: str, kinds) -> str:
@@ -114,123 +211,269 @@ def _unknown_kind(name: str, kinds) -> str:
     return f"--inject: unknown fault kind {name!r}{paged} (one of {', '.join(kinds)}"
 
 
+@dataclass
+class _Entries:
+    """Every verify entry of the final state: live requests' windows, then sweep entries."""
+    entry: np.ndarray      # 0 request, 1 sweep
+    batch: np.ndarray      # batch index (-1 for sweep entries)
+    row: np.ndarray        # request row (-1)
+    position: np.ndarray
+    slot: np.ndarray       # canary slot read
+    prev: np.ndarray       # canary slot of the predecessor (-1 head, 0 unreachable)
+    masks: dict            # target class -> bool mask over the entries
+
+
 class FaultInjector:
     """Changes a :class:`~kvcanary.synth.Synthesis`'s final state, one fault at a time."""
 
     def __init__(self, synthesis):
         self.s = synthesis
-        self.used_entries: set = set()     # (request row, position) of every target
-        self.used_slots: set = set()
+        self._entries = None
+        self._sweep = None
+        self.blocked = None                # canary slot -> taken or next to a target
+        self.real_kv_faults = 0
+        self._rewrites = []                # stale-reuse (slot, token, position) to write
 
-    def inject(self, kind: str, count: int) -> list:
+    def inject(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
+        """Inject ``count`` faults of ``kind`` at ``target`` entries; all or an error."""
+        made = self.inject_up_to(kind, count, target)
+        if len(made) < count * (2 if target in PAIR_SHAPES else 1):
+            raise SynthError(f"--inject {kind}:{count}@{target}: only {len(made)} distinct "
+                             f"{target} entries to inject into; use more requests or fewer "
+                             "faults")
+        return made
+
+    def inject_up_to(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
+        """Inject up to ``count`` faults, stopping (with the generator untouched by the failed
+        attempt) when no target entry is left."""
         s = self.s
-        if kind not in fault_kinds(s.config.paged):
-            raise SynthError(_unknown_kind(kind, fault_kinds(s.config.paged)) + ")")
+        _check(kind, target)
         if count < 1:
             raise SynthError(f"--inject {kind}: COUNT must be at least 1, got {count}")
         if kind == "real-kv-byte" and not s.sources:
             raise SynthError("--inject real-kv-byte needs at least one real-KV source "
                              "(--sources >= 1)")
         made = []
-        layout = "_paged" if s.config.paged and kind in _BLOCK_FORMS else ""
-        for _ in range(count):
-            fault = getattr(self, "_inject_" + kind.replace("-", "_") + layout)(len(made))
-            s.faults.append(fault)
-            made.append(fault)
+        try:
+            for _ in range(count):
+                state = s.rng.bit_generator.state
+                try:
+                    faults = (self._place_pair(kind, target) if target in PAIR_SHAPES
+                              else [self._apply(kind, target, self._pick_for(kind, target))])
+                except _NoTarget:
+                    s.rng.bit_generator.state = state
+                    break
+                s.faults.extend(faults)
+                made.extend(faults)
+        finally:
+            self._write_rewrites()
         return made
 
-    # ------------------------------------------------------------------ targets
+    # ------------------------------------------------------------------ entries
 
-    def _candidates(self):
-        """(batch index, position) of every request-owned live entry whose predecessor and
-        successor are inside the verified window (a window head's predecessor may have lost
-        its SWA slot, which makes its chain link unreachable)."""
-        W = self.s.config.swa_window
-        batch, positions = [], []
-        for b, request in enumerate(self.s.running):
-            low = max(request.matched, 1, request.seq_len - W + 1 if W else 0)
-            high = request.seq_len - 1
-            if high > low:
-                batch.append(np.full(high - low, b, dtype=np.int64))
-                positions.append(np.arange(low, high, dtype=np.int64))
-        if not batch:
-            raise SynthError("no live request owns enough entries to inject faults into; "
-                             "use more requests or longer prompts")
-        return np.concatenate(batch), np.concatenate(positions)
+    def entries(self) -> _Entries:
+        if self._entries is None:
+            self._entries = self._build_entries()
+            self.blocked = np.zeros(self.s.num_canary_slots + 1, dtype=bool)
+            self.blocked[0] = True          # padding slot 0 is never a target
+        return self._entries
 
-    def _canary_slots(self, row: int, start: int, stop: int) -> np.ndarray:
+    def _build_entries(self) -> _Entries:
         s = self.s
-        return s.allocator.canary_slots(s.scheduler.table.slots(row, start, stop))
+        c, canary = s.config, s.allocator.canary_slots
+        W = c.swa_window
+        cols = {name: [] for name in ("entry", "batch", "row", "position", "slot", "prev")}
+        meta = {name: [] for name in ("matched", "seq_len", "prompt_len", "start")}
+        for b, request in enumerate(s.running):
+            start = max(0, request.seq_len - W) if W else 0
+            positions = np.arange(start, request.seq_len, dtype=np.int64)
+            full = s.table[request.row, :request.seq_len].astype(np.int64)
+            slots = canary(full)
+            prev = np.full(positions.shape, -1, dtype=np.int64)
+            prev[positions > 0] = slots[positions[positions > 0] - 1]
+            n = positions.shape[0]
+            for name, value in (("entry", 0), ("batch", b), ("row", request.row)):
+                cols[name].append(np.full(n, value, dtype=np.int64))
+            cols["position"].append(positions)
+            cols["slot"].append(slots[start:])
+            cols["prev"].append(prev)
+            for name, value in (("matched", request.matched), ("seq_len", request.seq_len),
+                                ("prompt_len", request.prompt_len), ("start", start)):
+                meta[name].append(np.full(n, value, dtype=np.int64))
+        self._sweep = SweepIndex(s.cache, s.allocator.lut)
+        sweep = self._sweep
+        m = sweep.slots.shape[0]
+        for name, value in (("entry", 1), ("batch", -1), ("row", -1)):
+            cols[name].append(np.full(m, value, dtype=np.int64))
+        cols["position"].append(sweep.positions)
+        cols["slot"].append(sweep.slots)
+        cols["prev"].append(sweep.prevs)
+        for name in meta:
+            meta[name].append(np.full(m, -1, dtype=np.int64))
+        e = {name: np.concatenate(v) for name, v in cols.items()}
+        mt = {name: np.concatenate(v) for name, v in meta.items()}
+        return _Entries(**e, masks=self._class_masks(e, mt, sweep.unmapped))
 
-    def _canary_slot(self, row: int, position: int) -> int:
-        return int(self._canary_slots(row, position, position + 1)[0])
+    def _class_masks(self, e: dict, mt: dict, unmapped: np.ndarray) -> dict:
+        """Target class -> mask over the entries; the classes of live entries are disjoint
+        except that an interior entry may sit on a chunk boundary."""
+        chunk = self.s.config.chunk_size
+        live, p, prev = e["entry"] == 0, e["position"], e["prev"]
+        owned = p >= mt["matched"]
+        head = live & (p == 0)
+        window_head = live & (p == mt["start"]) & (p > 0) & (prev == 0)
+        last = live & (p == mt["seq_len"] - 1) & ~head & ~window_head
+        inside = live & (p > mt["start"]) & (p < mt["seq_len"] - 1) & (prev != 0)
+        sweep_mask = np.zeros(live.shape, dtype=bool)
+        sweep_mask[~live] = unmapped
+        reachable = live & (prev != 0) & ~owned
+        return {
+            "head": head,
+            "interior": inside & owned & (p > 0),
+            "last": last,
+            "chunk-boundary": inside & owned & (p < mt["prompt_len"])
+                              & ((p - mt["matched"]) % chunk == 0) & (p > mt["matched"]),
+            "window-head": window_head,
+            "shared": inside & ~owned,
+            "cached": sweep_mask & (prev != 0),
+            # first entries of the pair shapes (the second: ``_place_pair``)
+            "shared-block": reachable,
+            "chain-seam": reachable & (p == mt["matched"] - 1),
+        }
 
-    def _block_span(self, p: int) -> tuple:
-        bs = self.s.config.block_size
-        return p // bs * bs, (p // bs + 1) * bs
+    # ------------------------------------------------------------------ picking
 
-    def _pick(self, extra_filter=None, block=False):
-        """A fresh target ``(batch index, position, canary slot)``; with ``block`` the whole
-        block of the position is claimed (a paged table fault)."""
-        s, used = self.s, self.used_entries
-        batch, positions = self._candidates()
-        order = s.rng.permutation(batch.shape[0])
-        for i in order.tolist():
-            b, p = int(batch[i]), int(positions[i])
-            request = s.running[b]
-            low, high = self._block_span(p) if block else (p, p + 1)
-            if any((request.row, q) in used for q in range(low - 1, high + 1)):
-                continue
-            slot = self._canary_slot(request.row, p)
-            if slot in self.used_slots or slot == 0:
-                continue
-            if extra_filter and not extra_filter(b, p, slot):
-                continue
-            used.update((request.row, q) for q in range(low, high))
-            if block:
-                written = self._canary_slots(request.row, low, min(high, request.seq_len))
-                self.used_slots.update(written[written != 0].tolist())
-            self.used_slots.add(slot)
-            return b, p, slot
-        raise SynthError("ran out of distinct live entries to inject faults into; use more "
-                         "requests or fewer faults")
+    def _pick_for(self, kind: str, target: str) -> int:
+        """A lost write prefers a slot its first occupant wrote (a real never-written slot)."""
+        if kind == "lost-write":
+            e = self.entries()
+            try:
+                return self._pick(target, self.s.pool.write_count[e.slot] == 1)
+            except _NoTarget:
+                pass
+        return self._pick(target)
 
-    def _fault(self, kind, b, p, slot, *, visible=True, detail=-1, note="") -> Fault:
-        return Fault(kind=kind, batch_index=b, request_row=self.s.running[b].row, position=p,
-                     slot=slot, expected_bits=int(EXPECTED_BITS[kind]), visible=visible,
-                     detail=detail, note=note)
+    def _apply(self, kind: str, target: str, i: int) -> Fault:
+        return getattr(self, "_apply_" + kind.replace("-", "_"))(target, i)
+
+    def _place_pair(self, kinds: str, shape: str) -> list:
+        """Two interacting faults (see ``PAIR_SHAPES``): both entries are picked before
+        either fault is placed, so the second may neighbour the first."""
+        e = self.entries()
+        i = self._pick(shape)
+        row_mates = (e.batch == e.batch[i]) & (e.slot != e.slot[i]) & (e.prev != 0)
+        if shape == "shared-block":
+            block = self.s.config.block_tokens
+            j = self._pick("shared-block", row_mates
+                           & (e.position // block == e.position[i] // block))
+        else:
+            j = self._pick(None, row_mates & (e.position == e.position[i] + 1))
+        first, _, second = kinds.partition("+")
+        return [self._apply(first, shape, i), self._apply(second, shape, j)]
+
+    def _pick(self, target, where=None) -> int:
+        """Index of a random free entry of class ``target`` (any when None) and ``where``;
+        raises _NoTarget."""
+        e = self.entries()
+        mask = ~self.blocked[e.slot] if target is None else \
+            e.masks[target] & ~self.blocked[e.slot]
+        if where is not None:
+            mask &= where
+        candidates = np.flatnonzero(mask)
+        if candidates.size == 0:
+            raise _NoTarget
+        return int(candidates[int(self.s.rng.integers(candidates.size))])
+
+    def _take(self, *slots) -> None:
+        """Block slots and their chain neighbours for later targets."""
+        e = self.entries()
+        for slot in slots:
+            self.blocked[slot] = True
+            self.blocked[e.prev[(e.slot == slot) & (e.prev > 0)]] = True
+            self.blocked[e.slot[e.prev == slot]] = True
+
+    def _record_sites(self, kind: str, slot: int, real_kv_visible: bool = False) -> tuple:
+        """Every entry that reads canary slot ``slot`` (every mapper, and the sweep)."""
+        e = self.entries()
+        return tuple(self._site(kind, i, slot, real_kv_visible)
+                     for i in np.flatnonzero(e.slot == slot).tolist())
+
+    def _site(self, kind: str, i: int, reads: int, real_kv_visible: bool = False) -> Site:
+        e = self.entries()
+        entry = REQUEST if e.entry[i] == 0 else SWEEP
+        return Site(entry=entry, request_row=int(e.row[i]), position=int(e.position[i]),
+                    slot=int(reads), bits=site_bits(kind, entry, int(e.position[i]),
+                                                   int(e.prev[i]), real_kv_visible))
+
+    def _fault(self, kind, target, i, sites, *, detail=-1, note="") -> Fault:
+        e = self.entries()
+        expected = 0
+        for site in sites:
+            expected |= site.bits
+        return Fault(kind=kind, batch_index=int(e.batch[i]), request_row=int(e.row[i]),
+                     position=int(e.position[i]), slot=int(e.slot[i]), expected_bits=expected,
+                     visible=expected != 0, detail=detail, note=note, target=target,
+                     sites=sites)
 
     def _fields(self):
         """The canary records' int64 fields: token, position, chain link, real-KV hash."""
         return self.s.canary.view("<i8")[:, :4]
 
+    def _set_table(self, i: int, full_slot: int) -> None:
+        """Point entry ``i``'s table slot (a request row, or a cached block) at ``full_slot``."""
+        e = self.entries()
+        if e.entry[i] == 0:
+            self.s.table[e.row[i], e.position[i]] = full_slot
+        else:
+            block, k = self._sweep.owner(i - int(np.count_nonzero(e.entry == 0)))
+            block.slots[k] = full_slot
+
+    def _table_slot(self, i: int) -> int:
+        e = self.entries()
+        if e.entry[i] == 0:
+            return int(self.s.table[e.row[i], e.position[i]])
+        block, k = self._sweep.owner(i - int(np.count_nonzero(e.entry == 0)))
+        return int(block.slots[k])
+
     # ------------------------------------------------------------------ record faults
 
-    def _inject_token(self, k):
-        b, p, slot = self._pick()
-        self._fields()[slot, 0] += 1
-        return self._fault("token", b, p, slot)
+    def _record_fault(self, kind, target, i, change, *, detail=-1, note="",
+                      real_kv_visible=False):
+        slot = int(self.entries().slot[i])
+        change(slot)
+        self._take(slot)
+        return self._fault(kind, target, i, self._record_sites(kind, slot, real_kv_visible),
+                           detail=detail, note=note)
 
-    def _inject_position(self, k):
-        b, p, slot = self._pick()
-        self._fields()[slot, 1] += 1
-        return self._fault("position", b, p, slot)
+    def _apply_token(self, target, i):
+        return self._record_fault("token", target, i,
+                                  lambda slot: self._fields().__setitem__(
+                                      (slot, 0), self._fields()[slot, 0] + 1))
 
-    def _inject_prev_hash(self, k):
-        b, p, slot = self._pick()
+    def _apply_position(self, target, i):
+        return self._record_fault("position", target, i,
+                                  lambda slot: self._fields().__setitem__(
+                                      (slot, 1), self._fields()[slot, 1] + 1))
+
+    def _apply_prev_hash(self, target, i):
         bit = int(self.s.rng.integers(64))
+        slot = int(self.entries().slot[i])
         self._fields()[slot, 2] ^= np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
-        return self._fault("prev-hash", b, p, slot, detail=bit)
+        self._take(slot)
+        return self._fault("prev-hash", target, i, self._record_sites("prev-hash", slot),
+                           detail=bit)
 
-    def _inject_real_kv_byte(self, k):
+    def _apply_real_kv_byte(self, target, i):
         s = self.s
         c, rng = s.config, s.rng
-        b, p, slot = self._pick()
+        slot = int(self.entries().slot[i])
+        k = self.real_kv_faults
         source = k % len(s.sources)
         offset = (k * 16 + int(rng.integers(16))) % c.bytes_per_token
         view = s.pool.slot_bytes(s.sources[source])
         view[slot // c.page_size, slot % c.page_size, offset] ^= np.uint8(
             1 << int(rng.integers(8)))
+        self.real_kv_faults += 1
         mode = c.hash_mode
         visible = mode == RealKvHashMode.ALL or (
             mode == RealKvHashMode.PARTIAL and offset < REAL_KV_PARTIAL_READ_BYTES)
@@ -241,182 +484,89 @@ class FaultInjector:
                     f"{REAL_KV_PARTIAL_READ_BYTES} bytes partial hashes)")
         else:
             note = f"byte {offset} of source {source}"
-        return self._fault("real-kv-byte", b, p, slot, visible=visible, detail=offset, note=note)
+        self._take(slot)
+        return self._fault("real-kv-byte", target, i,
+                           self._record_sites("real-kv-byte", slot, visible),
+                           detail=offset, note=note)
 
-    def _inject_lost_write(self, k):
+    def _apply_lost_write(self, target, i):
         s = self.s
-        fresh = s.pool.write_count == 1
-        try:
-            b, p, slot = self._pick(lambda bb, pp, ss: bool(fresh[ss]))
-            note = "slot never written (first occupant)"
-        except SynthError:
-            b, p, slot = self._pick()
-            note = "slot had an earlier occupant; left zeroed"
+        slot = int(self.entries().slot[i])
+        note = ("slot never written (first occupant)" if s.pool.write_count[slot] == 1 else
+                "slot had an earlier occupant; left zeroed")
         s.canary[slot] = 0
         ps = s.config.page_size
         for tensor in s.sources:
             s.pool.slot_bytes(tensor)[slot // ps, slot % ps] = 0
-        return self._fault("lost-write", b, p, slot, note=note)
+        self._take(slot)
+        return self._fault("lost-write", target, i, self._record_sites("lost-write", slot),
+                           note=note)
+
+    def _apply_stale_reuse(self, target, i):
+        s = self.s
+        slot = int(self.entries().slot[i])
+        p = int(self.entries().position[i])
+        new_position = p + 1 + int(s.rng.integers(1, 64))
+        token = int(s.workload.tokens(1)[0])
+        s.pool.write_kv(np.array([slot], dtype=np.int64), np.array([token], dtype=np.int64),
+                        np.array([new_position], dtype=np.int64))
+        s.pool.write_count[slot] += 1
+        self._rewrites.append((slot, token, new_position))
+        self._take(slot)
+        return self._fault("stale-reuse", target, i, self._record_sites("stale-reuse", slot),
+                           detail=new_position,
+                           note=f"rewritten as position {new_position} of another sequence")
+
+    def _write_rewrites(self) -> None:
+        """Write the pending stale-reuse records in one launch: each its own one-token
+        sequence (a chain head), as if written one by one. No other fault touches their
+        slots, so writing them at the end of an ``inject`` call changes nothing else."""
+        if not self._rewrites:
+            return
+        slots, tokens, positions = (np.array(v, dtype=np.int64) for v in zip(*self._rewrites))
+        n = slots.shape[0]
+        self._rewrites = []
+        plan = WritePlan(write_offsets=np.arange(n + 1, dtype=np.int64),
+                         write_seed_slot_indices=np.full(n, -1, dtype=np.int64),
+                         write_num_valid_reqs=np.array([n], dtype=np.int32))
+        api.write(self.s.pool.context, plan, input_ids=tokens, positions=positions,
+                  out_cache_loc=slots, backend=self.s.config.backend)
 
     # ------------------------------------------------------------------ table faults
 
-    def _inject_alias(self, k):
-        s = self.s
-        b, p, slot = self._pick()
-        request = s.running[b]
-        batch, positions = self._candidates()
-        for i in s.rng.permutation(batch.shape[0]).tolist():
-            b2, p2 = int(batch[i]), int(positions[i])
-            other = s.running[b2]
-            if b2 == b or p2 == p:
-                continue
-            full = int(s.table[other.row, p2])
-            target = self._canary_slot(other.row, p2)
-            if target == 0 or target in self.used_slots or (other.row, p2) in self.used_entries:
-                continue
-            self.used_slots.add(target)
-            self.used_entries.add((other.row, p2))
-            s.table[request.row, p] = full
-            return self._fault("alias", b, p, slot, detail=target,
-                               note=f"now maps slot {target} (request row {other.row}, "
-                                    f"position {p2})")
-        raise SynthError("alias needs a second live request with an owned entry")
+    def _apply_alias(self, target, i):
+        e = self.entries()
+        other = self._pick("interior", (e.batch != e.batch[i]) & (e.position != e.position[i])
+                           & (e.slot != e.slot[i]))
+        self._set_table(i, self._table_slot(other))
+        into = int(e.slot[other])
+        self._take(int(e.slot[i]), into)
+        return self._fault("alias", target, i, (self._site("alias", i, into),), detail=into,
+                           note=f"now maps slot {into} (request row {int(e.row[other])}, "
+                                f"position {int(e.position[other])})")
 
-    def _inject_swap(self, k):
-        s = self.s
-        b, p, slot = self._pick()
-        b2, p2, slot2 = self._pick(lambda bb, pp, ss: bb == b and abs(pp - p) > 1)
-        row = s.running[b].row
-        s.table[row, p], s.table[row, p2] = s.table[row, p2], s.table[row, p]
-        return self._fault("swap", b, p, slot, detail=p2, note=f"exchanged with position {p2}")
+    def _apply_swap(self, target, i):
+        e = self.entries()
+        same = (e.entry == e.entry[i]) & (np.abs(e.position - e.position[i]) > 1) \
+            & (e.slot != e.slot[i])
+        if e.entry[i] == 0:
+            j = self._pick("interior", same & (e.batch == e.batch[i]))
+        else:
+            j = self._pick("cached", same)
+        a, b = self._table_slot(i), self._table_slot(j)
+        self._set_table(i, b)
+        self._set_table(j, a)
+        self._take(int(e.slot[i]), int(e.slot[j]))
+        sites = (self._site("swap", i, int(e.slot[j])), self._site("swap", j, int(e.slot[i])))
+        return self._fault("swap", target, i, sites, detail=int(e.position[j]),
+                           note=f"exchanged with position {int(e.position[j])}")
 
-    def _inject_slot_zero(self, k):
-        b, p, slot = self._pick()
-        self.s.table[self.s.running[b].row, p] = 0
-        return self._fault("slot-zero", b, p, slot,
+    def _apply_slot_zero(self, target, i):
+        self._set_table(i, 0)
+        self._take(int(self.entries().slot[i]))
+        return self._fault("slot-zero", target, i, (self._site("slot-zero", i, 0),),
                            note="seen only by kvcanary's SLOT_ZERO_IN_PREFIX extension")
 
-    # ------------------------------------------------------------------ allocator faults
 
-    def _inject_stale_reuse(self, k):
-        s = self.s
-        b, p, slot = self._pick()
-        new_position = p + 1 + int(s.rng.integers(1, 64))
-        self._rewrite(np.array([slot], dtype=np.int64), new_position)
-        return self._fault("stale-reuse", b, p, slot, detail=new_position,
-                           note=f"rewritten as position {new_position} of another sequence")
-
-    # ------------------------------------------------------------------ paged forms
-
-    def _inject_alias_paged(self, k):
-        s = self.s
-        table, bs = s.scheduler.table.array, s.config.block_size
-        b, p, slot = self._pick(block=True)
-        request = s.running[b]
-        batch, positions = self._candidates()
-        for i in s.rng.permutation(batch.shape[0]).tolist():
-            b2, p2 = int(batch[i]), int(positions[i])
-            other = s.running[b2]
-            if b2 == b or p2 // bs == p // bs:
-                continue
-            q = p2 // bs * bs + p % bs      # the other entry our target now reads
-            if q >= other.seq_len:
-                # Not written by the other request yet: the slot may still hold a record of
-                # its block's previous occupant, possibly at position p itself.
-                continue
-            target = self._canary_slot(other.row, q)
-            if target == 0 or target in self.used_slots or (other.row, q) in self.used_entries:
-                continue
-            self.used_slots.add(target)
-            self.used_entries.add((other.row, q))
-            block = int(table[other.row, p2 // bs])
-            table[request.row, p // bs] = block
-            return self._fault("alias", b, p, slot, detail=target,
-                               note=f"block-table entry {p // bs} now holds block {block} of "
-                                    f"request row {other.row} (its entry {p2 // bs})")
-        raise SynthError("alias needs a second live request with an owned entry")
-
-    def _inject_swap_paged(self, k):
-        s = self.s
-        table, bs = s.scheduler.table.array, s.config.block_size
-        b, p, slot = self._pick(block=True)
-        b2, p2, _ = self._pick(lambda bb, pp, ss: bb == b and pp % bs == p % bs, block=True)
-        row, k1, k2 = s.running[b].row, p // bs, p2 // bs
-        table[row, k1], table[row, k2] = table[row, k2], table[row, k1]
-        return self._fault("swap", b, p, slot, detail=p2,
-                           note=f"block-table entries {k1} and {k2} exchanged")
-
-    def _inject_slot_zero_paged(self, k):
-        b, p, slot = self._pick(block=True)
-        self.s.scheduler.table.array[self.s.running[b].row, p // self.s.config.block_size] = 0
-        return self._fault("slot-zero", b, p, slot,
-                           note="block-table entry set to the null block 0; seen only by "
-                                "kvcanary's SLOT_ZERO_IN_PREFIX extension")
-
-    def _rewrite(self, slots: np.ndarray, first_position: int) -> None:
-        """Another sequence's tokens written into ``slots`` (canary slots) as positions
-        ``first_position ..``: what a reallocated block holds."""
-        s = self.s
-        n = int(slots.shape[0])
-        tokens = s.workload.tokens(n).astype(np.int64)
-        positions = first_position + np.arange(n, dtype=np.int64)
-        s.pool.write_kv(slots, tokens, positions)
-        plan = WritePlan(write_offsets=np.array([0, n], dtype=np.int64),
-                         write_seed_slot_indices=np.array([-1], dtype=np.int64),
-                         write_num_valid_reqs=np.array([1], dtype=np.int32))
-        api.write(s.pool.context, plan, input_ids=tokens, positions=positions,
-                  out_cache_loc=slots, backend=s.config.backend)
-        s.pool.write_count[slots] += 1
-
-    def _inject_stale_reuse_paged(self, k):
-        s = self.s
-        b, p, slot = self._pick(block=True)
-        request = s.running[b]
-        low, high = self._block_span(p)
-        slots = self._canary_slots(request.row, low, min(high, request.seq_len))
-        new_position = high + int(s.rng.integers(1, 64))
-        self._rewrite(slots[slots != 0], new_position)
-        return self._fault("stale-reuse", b, p, slot, detail=new_position,
-                           note=f"block freed and reallocated: rewritten from position "
-                                f"{new_position} of another sequence")
-
-    def _inject_evicted_block(self, k):
-        """A cached block that live requests map is evicted (as if its reference count had
-        dropped to 0) with the cached blocks below it, reallocated and rewritten. Every live
-        request mapping it is affected: its positions in the block and the entry after it are
-        claimed."""
-        s, W = self.s, self.s.config.swa_window
-        B = s.cache.block_tokens
-        blocks = [block for block in s.cache.values() if block.refs > 0]
-        for i in s.rng.permutation(len(blocks)).tolist():
-            block = blocks[i]
-            low, high = block.depth * B, (block.depth + 1) * B
-            mapping = [(b, r) for b, r in enumerate(s.running) if block in r.blocks]
-            if not mapping or any((r.row, q) in self.used_entries
-                                  for _, r in mapping for q in range(low - 1, high + 1)):
-                continue
-            b, request = mapping[0]
-            start = max(low, 1, request.seq_len - W if W else 0)
-            if start >= high:
-                continue    # the block has left the request's window
-            p = start + int(s.rng.integers(high - start))
-            slots = s.allocator.canary_slots(block.slots.astype(np.int64))
-            slot = int(slots[p - low])
-            if slot == 0 or self.used_slots.intersection(slots.tolist()):
-                continue
-            for _, r in mapping:
-                self.used_entries.update((r.row, q) for q in range(low, high))
-            self.used_slots.update(slots[slots != 0].tolist())
-            s.cache.drop_subtree(block)
-            new_position = high + int(s.rng.integers(1, 64))
-            self._rewrite(slots[slots != 0], new_position)
-            return self._fault("evicted-block", b, p, slot, detail=new_position,
-                               note=f"cached block at positions {low}..{high - 1} evicted while "
-                                    f"{len(mapping)} live request(s) map it; rewritten from "
-                                    f"position {new_position}")
-        raise SynthError("evicted-block needs a live request that maps a cached leaf block "
-                         "inside its window; use more requests or shared prefixes")
-
-
-# Table and allocator faults whose paged form loses a whole block.
-_BLOCK_FORMS = ("alias", "swap", "stale-reuse", "slot-zero")
+class _NoTarget(Exception):
+    """No free entry of the class is left (internal: ``inject`` turns it into SynthError)."""

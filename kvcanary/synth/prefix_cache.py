@@ -131,3 +131,36 @@ class PrefixCache:
                 if allocator.unreserved_pages >= target:
                     break
         return True
+
+
+class SweepIndex:
+    """The cache's blocks as sweep entries, in the dump's order (canary slots: SWA slots under
+    a window); a block's first entry links to its parent's last. ``unmapped`` marks the
+    entries of blocks no live request holds."""
+
+    def __init__(self, cache: PrefixCache, lut):
+        B = cache.block_tokens
+        self.block_tokens = B
+        self.blocks = list(cache.values())
+        slots, prevs, positions, unmapped = [], [], [], []
+        for block in self.blocks:
+            own = block.slots.astype(np.int64)
+            prev = np.empty_like(own)
+            prev[0] = block.parent.slots[-1] if block.parent is not None else -1
+            prev[1:] = own[:-1]
+            slots.append(own)
+            prevs.append(prev)
+            positions.append(block.depth * B + np.arange(B, dtype=np.int64))
+            unmapped.append(np.full(B, block.refs == 0))
+        empty = np.zeros(0, dtype=np.int64)
+        self.slots = np.concatenate(slots) if slots else empty
+        self.prevs = np.concatenate(prevs) if prevs else empty
+        self.positions = np.concatenate(positions) if positions else empty
+        self.unmapped = np.concatenate(unmapped) if unmapped else np.zeros(0, dtype=bool)
+        if lut is not None:
+            self.slots = lut[self.slots]
+            self.prevs = np.where(self.prevs >= 0, lut[np.maximum(self.prevs, 0)], self.prevs)
+
+    def owner(self, k: int) -> tuple:
+        """``(block, index in block)`` of sweep entry ``k``."""
+        return self.blocks[k // self.block_tokens], k % self.block_tokens

@@ -1,14 +1,18 @@
 """Ground truth against findings: read a dump's injected faults back and score each one at its
-target entry."""
+sites, the verify entries it changed (every request row that maps a changed record, and the
+prefix cache's sweep entry of it)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..consts import REAL_KV_PARTIAL_READ_BYTES, RealKvHashMode
-from .faults import FAULT_KINDS, Fault
+from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
+from .faults import DEFAULT_TARGET, FAULT_KINDS, REQUEST, SWEEP, Fault, Site
+
+_SLOT_ZERO = int(FailReason.SLOT_ZERO_IN_PREFIX)
 
 
 @dataclass
@@ -22,6 +26,9 @@ class FaultOutcome:
     detected: bool
     fired_bits: int
     note: str = ""
+    target: str = DEFAULT_TARGET
+    sites: int = 0            # sites that must fire under these rules
+    request_rows: int = 0     # distinct request rows among them
 
 
 def faults_from_dump(dump) -> list:
@@ -30,12 +37,28 @@ def faults_from_dump(dump) -> list:
     if "synth_fault_kind" not in extra:
         return []
     names = str(extra.get("synth_fault_kinds", ",".join(FAULT_KINDS))).split(",")
-    get = lambda key: np.asarray(extra[f"synth_fault_{key}"]).astype(np.int64).tolist()  # noqa: E731
-    return [Fault(kind=names[k], batch_index=b, request_row=r, position=p, slot=s,
-                  expected_bits=e, visible=bool(v), detail=d)
-            for k, b, r, p, s, e, v, d in zip(get("kind"), get("batch_index"), get("request_row"),
-                                              get("position"), get("slot"), get("expected_bits"),
-                                              get("visible"), get("detail"))]
+    def get(key):
+        return np.asarray(extra[f"synth_fault_{key}"]).astype(np.int64).tolist()
+
+    faults = [Fault(kind=names[k], batch_index=b, request_row=r, position=p, slot=s,
+                    expected_bits=e, visible=bool(v), detail=d)
+              for k, b, r, p, s, e, v, d in zip(get("kind"), get("batch_index"),
+                                                get("request_row"), get("position"), get("slot"),
+                                                get("expected_bits"), get("visible"),
+                                                get("detail"))]
+    if "synth_fault_site_count" not in extra:
+        return faults   # a paged or older dump: scored at its target entry alone
+    targets = str(extra["synth_fault_targets"]).split(",")
+    site_rows = list(zip(get("site_sweep"), get("site_request_row"), get("site_position"),
+                         get("site_slot"), get("site_bits")))
+    begin = 0
+    for fault, target, count in zip(faults, get("target"), get("site_count")):
+        fault.target = targets[target]
+        fault.sites = tuple(Site(entry=SWEEP if sweep else REQUEST, request_row=row,
+                                 position=position, slot=slot, bits=bits)
+                            for sweep, row, position, slot, bits in site_rows[begin:begin + count])
+        begin += count
+    return faults
 
 
 def fault_note(fault: Fault, mode: RealKvHashMode, compat: bool = False) -> str:
@@ -56,22 +79,68 @@ def fault_note(fault: Fault, mode: RealKvHashMode, compat: bool = False) -> str:
     return fault.note
 
 
+def findings_by_entry(result) -> dict:
+    """``(entry, request row or -1, position, slot) -> fired bits`` over an audit's findings;
+    request findings are keyed by the slot they read, sweep findings too."""
+    fired = defaultdict(int)
+    for finding in result.findings:
+        v = finding.violation
+        row = finding.request_row if finding.kind == REQUEST else -1
+        fired[(finding.kind, row, finding.position, v.slot_idx)] |= v.fail_reason_bits
+    return fired
+
+
+def _fired_at(fired: dict, site: Site) -> int:
+    if site.slot >= 0:
+        return fired.get((site.entry, site.request_row, site.position, site.slot), 0)
+    return _union(bits for (entry, row, position, _), bits in fired.items()
+                    if (entry, row, position) == (site.entry, site.request_row, site.position))
+
+
+def _union(values) -> int:
+    total = 0
+    for value in values:
+        total |= value
+    return total
+
+
 def score(faults, result) -> list:
-    """Match injected faults against an audit result's findings (the target entry, and the
-    exchanged entry of a swap)."""
+    """Match injected faults against an audit result's findings: a fault is detected when at
+    every one of its sites a finding of that entry (request row and position, or sweep
+    position; and the slot the entry reads) fired the bits expected there."""
     mode = RealKvHashMode[result.real_kv_hash_mode.upper()]
+    fired = findings_by_entry(result)
     outcomes = []
     for fault in faults:
-        visible = fault.visible and not (fault.kind == "slot-zero" and result.compat)
-        targets = [fault.position] + ([fault.detail] if fault.kind == "swap" else [])
-        fired = 0
-        for position in targets:
-            for finding in result.findings_at(fault.request_row, position):
-                fired |= finding.violation.fail_reason_bits
-        detected = (fired & fault.expected_bits) == fault.expected_bits and fired != 0
-        outcomes.append(FaultOutcome(kind=fault.kind, request_row=fault.request_row,
-                                     position=fault.position, slot=fault.slot,
-                                     expected_bits=fault.expected_bits, visible=visible,
-                                     detected=detected, fired_bits=fired,
-                                     note=fault_note(fault, mode, result.compat)))
+        if not fault.sites:
+            outcomes.append(_score_at_target(fault, result, mode))
+            continue
+        sites = [(site, site.bits & ~(_SLOT_ZERO if result.compat else 0))
+                 for site in fault.sites]
+        must = [(site, bits) for site, bits in sites if bits]
+        got = [_fired_at(fired, site) for site, _ in sites]
+        visible = fault.visible and bool(must)
+        detected = visible and all((_fired_at(fired, site) & bits) == bits
+                                   for site, bits in must)
+        outcomes.append(FaultOutcome(
+            kind=fault.kind, request_row=fault.request_row, position=fault.position,
+            slot=fault.slot, expected_bits=_union(bits for _, bits in must), visible=visible,
+            detected=detected, fired_bits=_union(got),
+            note=fault_note(fault, mode, result.compat), target=fault.target, sites=len(must),
+            request_rows=len({site.request_row for site, _ in must if site.entry == REQUEST})))
     return outcomes
+
+
+def _score_at_target(fault: Fault, result, mode: RealKvHashMode) -> FaultOutcome:
+    """A fault without sites (a paged run's, or an older dump's): scored at its target entry,
+    and the exchanged entry of a swap."""
+    visible = fault.visible and not (fault.kind == "slot-zero" and result.compat)
+    fired = 0
+    for position in [fault.position] + ([fault.detail] if fault.kind == "swap" else []):
+        for finding in result.findings_at(fault.request_row, position):
+            fired |= finding.violation.fail_reason_bits
+    detected = (fired & fault.expected_bits) == fault.expected_bits and fired != 0
+    return FaultOutcome(kind=fault.kind, request_row=fault.request_row, position=fault.position,
+                        slot=fault.slot, expected_bits=fault.expected_bits, visible=visible,
+                        detected=detected, fired_bits=fired,
+                        note=fault_note(fault, mode, result.compat))
