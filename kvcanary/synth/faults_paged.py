@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import api
-from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
+from ..consts import REAL_KV_PARTIAL_READ_BYTES, RealKvHashMode
 from ..types import WritePlan
 from .config import SynthError
 from .faults import DEFAULT_TARGET, EXPECTED_BITS, Fault, _unknown_kind, fault_kinds
