@@ -3,7 +3,7 @@ with target classes, is :mod:`kvcanary.campaign`): measure, over many randomized
 workloads, that the audit detects every injected fault it is designed to see and reports
 nothing on clean workloads.
 
-One *fault run* samples a small workload (page size 1, 16 or 64; SWA on or off; 0 to 4
+One *fault run* samples a small paged workload (block size 4, 16 or 32; SWA on or off; 0 to 4
 real-KV sources; the hash mode of the run), plays it with :class:`~kvcanary.synth.Synthesis`,
 audits the clean final state, injects a few faults of every kind still short of its target,
 audits again on every backend and under both rule sets (kvcanary's, and ``--compat``:
@@ -89,8 +89,6 @@ def per_run(kind: str, mode: str) -> int:
     if kind == "evicted-block":
         return 1
     return 3
-
-
 
 
 # --------------------------------------------------------------------------- cells
