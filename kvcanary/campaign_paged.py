@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .audit import audit
 from .consts import REAL_KV_PARTIAL_READ_BYTES
 from .synth import (
     MODES,
@@ -59,7 +58,10 @@ from .campaign import (
     RULE_WORDS,
     RULES,
     CampaignError,
+    _audits,
     _dump,
+    _false_positive,
+    _fired_text,
     _fp_key,
     _keep,
     _synthesis,
@@ -186,22 +188,6 @@ def synth_command(config: dict, inject=()) -> str:
     for kind, count in inject:
         args += ["--inject", f"{kind}:{count}"]
     return " ".join(shlex.quote(str(a)) for a in args)
-
-
-def _audits(d, backends):
-    for backend in backends:
-        for rules in RULES:
-            yield backend, rules, audit(d, backend=backend, compat=rules == "compat",
-                                         max_findings=0)
-
-
-def _false_positive(where: str, config: dict, backend: str, rules: str, result) -> dict:
-    first = result.findings[0] if result.findings else None
-    return {"where": where, "backend": backend, "rules": rules,
-            "violations": result.total_violations,
-            "first": first.violation.log_line() if first else "",
-            "at": first.where() if first else "", "config": config,
-            "reproduce": synth_command(config) + " && " + audit_command(backend, rules)}
 
 
 def _simulate_and_audit_clean(out: dict, config, backends, phase: str, what: str):
@@ -555,11 +541,6 @@ def _fault_phase(report, runner, progress) -> None:
 
 
 # --------------------------------------------------------------------------- rendering
-
-
-def _fired_text(cell: Cell) -> str:
-    return ", ".join(f"{label} {n}" for label, n in
-                     sorted(cell.fired.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
 
 
 def table_rows(report: CampaignReport, backend: str, rules: str) -> list:

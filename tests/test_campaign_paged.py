@@ -81,7 +81,9 @@ def test_printed_command_rebuilds_paged_faults(tmp_path):
 
 
 def test_broken_detector_fails_the_paged_campaign(monkeypatch):
-    real = campaign.audit
+    from kvcanary import campaign as shared   # both layouts audit through its _audits
+
+    real = shared.audit
 
     def broken(*args, **kwargs):   # loses every finding of a position mismatch
         result = real(*args, **kwargs)
@@ -89,7 +91,7 @@ def test_broken_detector_fails_the_paged_campaign(monkeypatch):
                            & FailReason.VERIFY_POSITION_MISMATCH]
         return result
 
-    monkeypatch.setattr(campaign, "audit", broken)
+    monkeypatch.setattr(shared, "audit", broken)
     failed = run_campaign(faults_per_kind=2, clean_runs=0, seed=1, backend="numpy", jobs=1,
                           layout="paged")
     assert not failed.passed
