@@ -19,6 +19,7 @@ from .common import (
     EXIT_ERROR,
     EXIT_VIOLATIONS,
     Progress,
+    error_boundary,
     error_message,
     user_error,
 )
@@ -28,17 +29,31 @@ from .interrupt import interrupted_record, on_interrupt
 TEXT_REQUESTS_SHOWN = 8
 
 
-def run_audit(path: str, options: dict, progress=None):
-    """``("ok", AuditResult)`` or ``("error", message)``; runs in a worker process too."""
+def run_audit(path: str, options: dict, progress=None, html: bool = False):
+    """``("ok", AuditResult)`` or ``("error", message)``; runs in a worker process too.
+    ``html``: ``("ok", (AuditResult, report section))``, the section with the report's maps."""
     from kvcanary.audit import audit
 
     try:
+        if html:
+            return "ok", _audit_for_report(path, options, progress)
         return "ok", audit(path, progress=progress, **options)
     except Exception as exc:
         message = user_error(exc)
         if message is None:
             raise
         return "error", message if message.startswith(path) else f"{path}: {message}"
+
+
+def _audit_for_report(path: str, options: dict, progress):
+    from kvcanary.audit import audit
+    from kvcanary.dump import load
+    from kvcanary.report import ReportMaps, audit_section, dump_metadata
+
+    dump = load(path)
+    maps = ReportMaps(dump)
+    result = audit(dump, progress=progress, observe=maps.add, **options)
+    return result, audit_section(result, maps, dump_metadata(dump))
 
 
 def render_text(result, echo) -> None:
@@ -148,13 +163,22 @@ class Totals:
               help="Upstream's rules only: turn off kvcanary's SLOT_ZERO_IN_PREFIX extension.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
               help="Parallel processes for several dumps (default: CPU count).")
+@click.option("--html", "html", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write a self-contained HTML report (maps, findings table) here; "
+                   "needs the report extra.")
 def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findings, fmt,
-                  compat, jobs):
+                  compat, jobs, html):
     """Verify the canary of each DUMP (.npz, .safetensors or a directory of .npy).
 
     Exit 0: every dump clean; 1: violations; 2: bad input, usage or environment."""
     options = dict(backend=backend, max_real_kv_sources=max_real_kv_sources,
                    ring_capacity=ring_capacity, max_findings=max_findings, compat=compat)
+    if html:
+        from kvcanary.report.render import require_renderer
+
+        with error_boundary():
+            require_renderer()
+    sections = []
     reported = 0
     if fmt == "json":
         on_interrupt(lambda exc: click.echo(json.dumps(interrupted_record(
@@ -162,8 +186,10 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findin
     code = EXIT_CLEAN
     totals = Totals()
     # closing: whatever stops the loop (an interrupt) stops the workers with it
-    with contextlib.closing(_audit_all(list(dumps), options, jobs)) as outcomes:
+    with contextlib.closing(_audit_all(list(dumps), options, jobs, bool(html))) as outcomes:
         for path, (status, value) in zip(dumps, outcomes):
+            if html:
+                value = _keep_section(sections, path, status, value)
             totals.add(status, value)
             if status == "error":
                 click.echo(f"{ERROR_PREFIX}{value}", err=True)
@@ -177,15 +203,38 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findin
             reported += 1
     if len(dumps) > 1:
         click.echo(json.dumps(totals.record()) if fmt == "json" else totals.line())
+    if html:
+        _write_report(html, sections, totals if len(dumps) > 1 else None, fmt)
     sys.exit(code)
 
 
-def _audit_all(paths: list, options: dict, jobs):
+def _keep_section(sections: list, path: str, status: str, value):
+    """Keep the dump's report section; the audit result (or message) goes on as before."""
+    from kvcanary.report import error_section
+
+    if status == "error":
+        sections.append(error_section(path, value))
+        return value
+    result, section = value
+    sections.append(section)
+    return result
+
+
+def _write_report(path: str, sections: list, totals, fmt: str) -> None:
+    from kvcanary.report import build_report, write_html
+
+    with error_boundary():
+        write_html(build_report(sections, total=totals.record() if totals else None), path)
+    if fmt == "text":
+        click.echo(f"html report: {path}")
+
+
+def _audit_all(paths: list, options: dict, jobs, html: bool = False):
     """The outcome of every dump, in order, as each is ready."""
     if len(paths) == 1:
         progress = Progress(f"auditing {paths[0]}: entries")
         try:
-            yield run_audit(paths[0], options, progress)
+            yield run_audit(paths[0], options, progress, html)
         finally:
             progress.close()
         return
@@ -198,7 +247,7 @@ def _audit_all(paths: list, options: dict, jobs):
     # spawn: a forked child would inherit a CUDA context it cannot use.
     with WorkerPool(min(len(paths), jobs or os.cpu_count() or 1), start_method="spawn") as pool:
         try:
-            for done, outcome in enumerate(pool.map(functools.partial(run_audit, options=options),
+            for done, outcome in enumerate(pool.map(functools.partial(run_audit, options=options, html=html),
                                                     paths, failed=failed), 1):
                 progress(done, len(paths))
                 yield outcome

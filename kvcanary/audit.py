@@ -153,6 +153,24 @@ class RequestSummary:
                 "last_position": self.last_position}
 
 
+@dataclass(frozen=True)
+class CheckedLaunch:
+    """One verify launch as the audit checked it, handed to ``audit(..., observe=...)`` for a
+    consumer that aggregates every row (the HTML report's maps). Host int64 arrays; read them,
+    do not keep or change them.
+
+    ``slots``, ``positions``: ``(entries,)`` the launch's plan entries (slot and expected
+    position); ``batch_index``: ``(entries,)`` the live request of each entry, ``None`` for
+    sweep entries; ``rows``: ``(n, 8)`` the launch's violation rows in ring column order;
+    ``entry_of``: ``(n,)`` the entry index of each row, -1 where no entry reproduces it."""
+
+    slots: np.ndarray
+    positions: np.ndarray
+    batch_index: np.ndarray | None
+    rows: np.ndarray
+    entry_of: np.ndarray
+
+
 @dataclass
 class AuditResult:
     path: str
@@ -709,12 +727,18 @@ def _finding(v: Violation, kind: str, num_slots: int, swa: bool = False, **where
 
 def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
           ring_capacity: int | None = None, max_findings: int = DEFAULT_MAX_FINDINGS,
-          compat: bool = False, chunk_entries: int = CHUNK_ENTRIES, progress=None) -> AuditResult:
+          compat: bool = False, chunk_entries: int = CHUNK_ENTRIES, progress=None,
+          observe=None) -> AuditResult:
     """Audit a :class:`~kvcanary.dump.Dump` (or a path to one); see the module docstring.
 
     ``max_findings`` bounds the rows kept as findings (0 keeps every row); the totals and
     counts always cover every row. ``progress(done_entries, total_entries)`` is called after
-    every launch when given."""
+    every launch when given; ``observe(CheckedLaunch)`` too, with every row of the launch.
+
+    Example::
+
+        result = audit("dump.npz", backend="numpy", max_findings=0)
+        assert result.total_violations == len(result.findings)"""
     started = time.perf_counter()
     if isinstance(dump, (str, os.PathLike)):
         dump = load(dump)
@@ -763,6 +787,9 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
             rows = np.concatenate([rows, zero_rows])
             entry_of = np.concatenate([entry_of, zero_entries])
         tally.add(rows, entry_of, launch)
+        if observe:
+            observe(CheckedLaunch(launch.entries.slots, launch.entries.positions,
+                                  launch.batch_index, rows, entry_of))
         done += launch.size
         if progress:
             progress(done, total_entries)
