@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import base64
 import json
+import pathlib
 import re
+import shutil
 import sys
 
 import numpy as np
@@ -197,7 +199,8 @@ def test_an_explain_like_report_without_maps_renders_what_it_has(tmp_path):
         "findings": [{"launch_tag": "TAIL_K_FULL", "fail_reason": "verify_real_kv_hash",
                       "slot_idx": 42, "position": 7, "count": 3, "first_step": 11,
                       "explanation": "the KV bytes of slot 42 changed after the write"}],
-        "patterns": ["one position across many slots"]}], command="explain")
+        "notes": ["one position across many slots"], "unknown_part": {"x": 1}}],
+        command="explain")
     out = write_html(report, str(tmp_path / "explain.html"))
     page = open(out, encoding="utf-8").read()
     assert "kvcanary explain" in page and "<canvas" not in page
@@ -205,6 +208,29 @@ def test_an_explain_like_report_without_maps_renders_what_it_has(tmp_path):
     assert "count=3; first_step=11" in page
     assert 'data-summary="lower_bound">yes<' in page
     assert 'data-count="TAIL_K_FULL">3<' in page
+    assert "<li>one position across many slots</li>" in page
+
+
+def test_the_documented_python_example_writes_the_page(known, tmp_path, monkeypatch):
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    code = re.search(r"From Python, `kvcanary.report`.*?```\n(.*?)```", text, re.S).group(1)
+    shutil.copy(known[1], tmp_path / "dump.npz")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/cli.md", "exec"), {})
+    page = (tmp_path / "report.html").read_text()
+    assert '<span class="figure" data-key="violations">19</span>' in page
+
+
+def test_the_docs_screenshot_is_the_demo_report_with_its_maps():
+    from browser import decode_png
+
+    docs = pathlib.Path(__file__).resolve().parents[1] / "docs"
+    assert "](report.png)" in (docs / "cli.md").read_text()
+    image = decode_png((docs / "report.png").read_bytes())
+    assert image.shape[1] >= 1000 and image.shape[0] >= 900
+    # The map's cells: the clean green and a reason's red are both in the picture.
+    for colour in ((0xc9, 0xdc, 0xcb), (0xd7, 0x30, 0x1f)):
+        assert np.all(image == colour, axis=2).sum() > 50, colour
 
 
 # ------------------------------------------------------------------ the command line

@@ -9,7 +9,8 @@ A report is a dict::
 
 ``summary`` is a summary record as ``--format json`` prints it (``violations``,
 ``entries_checked``, ``counts_by_*``, ``findings_cut`` ...), ``findings`` its violation
-records, ``metadata`` label -> value. Every part is optional and extra keys are shown as they
+records, ``metadata`` label -> value, ``notes`` (optional) sentences shown under the verdict
+(e.g. the patterns a log reader found). Every part is optional and extra keys are shown as they
 are, so any command whose JSON report has this shape renders with :func:`write_html`.
 """
 

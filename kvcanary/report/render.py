@@ -18,6 +18,8 @@ NOT_APPLICABLE = {"request_row", "batch_index", "expected_position", "sweep_inde
 # The first of these a finding has is its explanation.
 EXPLANATION_KEYS = ("explanation", "likely_cause", "cause")
 HIDDEN_KEYS = {"record", "dump"}
+# Headings of the summary's listed records, where the key alone would say too little.
+HEADINGS = {"requests": "affected requests"}
 # Affected requests listed in the page (the summary counts all of them).
 REQUESTS_LISTED = 500
 INSTALL_HINT = "pip install 'kvcanary[report]'"
@@ -119,7 +121,7 @@ def render_html(report: dict) -> str:
         sections.append({**section, "table": _table(findings),
                          "parts": _summary(section.get("summary") or {})})
     return env.get_template("report.html.j2").render(
-        report=report, sections=sections, requests_listed=REQUESTS_LISTED)
+        report=report, sections=sections, requests_listed=REQUESTS_LISTED, headings=HEADINGS)
 
 
 def write_html(report: dict, path: str) -> str:

@@ -28,7 +28,10 @@
     for (var i = 0; i < b.length; i += 8) out.push(Number(v.getBigInt64(i, true)));
     return out;
   }
-  function legend(el, items) {
+  function legend(el, title, items) {
+    var head = document.createElement("b");
+    head.textContent = title;
+    el.appendChild(head);
     items.forEach(function (item) {
       var row = document.createElement("div"), swatch = document.createElement("i");
       swatch.style.background = item[1];
@@ -75,7 +78,7 @@
     Object.keys(m.counts_by_reason).forEach(function (r) {
       items.push([r + " (" + m.counts_by_reason[r] + ")", REASON_COLOURS[r] || REASON_COLOURS.other]);
     });
-    legend(legendEl, items);
+    legend(legendEl, "a cell's main reason (rows)", items);
     hover(canvas, function (x, y) {
       var col = Math.floor(x / cw), row = Math.floor(y / ch);
       if (col < 0 || row < 0 || col >= m.columns || row >= m.rows) return "";
@@ -105,7 +108,7 @@
       ctx.fillStyle = (f & 2) && (f & 4) ? POOL.both : f & 4 ? POOL.twice : f & 2 ? POOL.finding : f & 1 ? POOL.used : POOL.unused;
       ctx.fillRect((c % m.columns) * size, Math.floor(c / m.columns) * size, size, size);
     }
-    legend(legendEl, [["not used by a checked entry", POOL.unused], ["used, no finding", POOL.used],
+    legend(legendEl, "each " + m.unit + " in a cell", [["not used by a checked entry", POOL.unused], ["used, no finding", POOL.used],
       ["with findings", POOL.finding], ["mapped twice", POOL.twice], ["both", POOL.both]]);
     hover(canvas, function (x, y) {
       var c = Math.floor(y / size) * m.columns + Math.floor(x / size);
