@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from browser import Browser, find_chromium  # noqa: E402
 
-WIDTH, HEIGHT = 1200, 1500
+WIDTH, HEIGHT = 1200, 1600
 
 
 def main() -> None:

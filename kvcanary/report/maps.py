@@ -84,6 +84,15 @@ def _grid(count: int, limit: int) -> tuple:
     return per, -(-count // per)
 
 
+def _pool_columns(cells: int) -> int:
+    """A power of two (so a row starts at a round slot number) giving a grid about twice as
+    wide as tall, at most :data:`POOL_MAP_COLUMNS`."""
+    columns = 16
+    while columns < POOL_MAP_COLUMNS and columns * columns < 2 * cells:
+        columns *= 2
+    return min(columns, max(1, cells))
+
+
 class ReportMaps:
     """Aggregates an audit's launches into the report's maps.
 
@@ -205,7 +214,7 @@ class ReportMaps:
         twice_ids = np.flatnonzero(twice)
         return {"unit": "block" if self.block_size else "slot", "units": self.units,
                 "block_size": self.block_size, "per_cell": per, "cells": cells,
-                "columns": min(POOL_MAP_COLUMNS, cells),
+                "columns": _pool_columns(cells),
                 "flags": _encode(flags, "u1"), "used": _counts(used_cells),
                 "with_findings": _counts(hit_cells), "rows_on": _counts(self.cell_pool_rows),
                 "twice": _counts(twice_cells),

@@ -10,7 +10,7 @@
   };
   var EMPTY = "#f4f5f6", CLEAN = "#c9dccb", BOUNDARY = "rgba(20, 30, 40, 0.55)";
   var POOL = { unused: "#f4f5f6", used: "#bccbd9", finding: "#d7301f", twice: "#f28e2b", both: "#7b3294" };
-  var MAP_WIDTH = 960, REQUEST_MAP_HEIGHT = 320, POOL_CELL = 7;
+  var MAP_WIDTH = 960, REQUEST_MAP_HEIGHT = 320, POOL_CELL = 10;   // pixels: the largest pool cell
   var tip = document.getElementById("tip");
 
   function bytes(b64) {
@@ -97,7 +97,7 @@
     var flags = bytes(m.flags), used = counts(m.used), found = counts(m.with_findings);
     var on = counts(m.rows_on), twice = counts(m.twice);
     var rows = Math.ceil(m.cells / m.columns);
-    var size = Math.max(2, Math.min(POOL_CELL * 2, Math.floor(MAP_WIDTH / m.columns)));
+    var size = Math.max(2, Math.min(POOL_CELL, Math.floor(MAP_WIDTH / m.columns)));
     canvas.width = m.columns * size;
     canvas.height = rows * size;
     canvas.dataset.cellWidth = size;
@@ -108,7 +108,7 @@
       ctx.fillStyle = (f & 2) && (f & 4) ? POOL.both : f & 4 ? POOL.twice : f & 2 ? POOL.finding : f & 1 ? POOL.used : POOL.unused;
       ctx.fillRect((c % m.columns) * size, Math.floor(c / m.columns) * size, size, size);
     }
-    legend(legendEl, "each " + m.unit + " in a cell", [["not used by a checked entry", POOL.unused], ["used, no finding", POOL.used],
+    legend(legendEl, "a cell, by any " + m.unit + " in it", [["not used by a checked entry", POOL.unused], ["used, no finding", POOL.used],
       ["with findings", POOL.finding], ["mapped twice", POOL.twice], ["both", POOL.both]]);
     hover(canvas, function (x, y) {
       var c = Math.floor(y / size) * m.columns + Math.floor(x / size);
