@@ -204,7 +204,8 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findin
     if len(dumps) > 1:
         click.echo(json.dumps(totals.record()) if fmt == "json" else totals.line())
     if html:
-        _write_report(html, sections, totals if len(dumps) > 1 else None, fmt)
+        write_report(html, sections, total=totals.record() if len(dumps) > 1 else None,
+                     announce=fmt == "text")
     sys.exit(code)
 
 
@@ -220,12 +221,14 @@ def _keep_section(sections: list, path: str, status: str, value):
     return result
 
 
-def _write_report(path: str, sections: list, totals, fmt: str) -> None:
+def write_report(path: str, sections: list, *, command: str = "audit", total=None,
+                 announce: bool = True) -> None:
+    """Write the HTML report of ``sections`` (kvcanary.report's model); an error is exit 2."""
     from kvcanary.report import build_report, write_html
 
     with error_boundary():
-        write_html(build_report(sections, total=totals.record() if totals else None), path)
-    if fmt == "text":
+        write_html(build_report(sections, command=command, total=total), path)
+    if announce:
         click.echo(f"html report: {path}")
 
 

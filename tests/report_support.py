@@ -102,3 +102,15 @@ def paged_bad_block(arrays: dict) -> int:
 
 def save_dump(path, arrays: dict) -> str:
     return save(str(path), **arrays)
+
+
+def sweep_only_arrays() -> dict:
+    """No live request; batch index 0's prefix is checked as sweep entries, one corrupt."""
+    arrays = per_token_arrays(faults=False)
+    row = int(arrays["req_pool_indices"][0])
+    slots = arrays["req_to_token"][row, :LENGTHS[0]].astype(np.int64)
+    arrays["canary"].view(np.int64)[slots[3], 1] ^= 1
+    arrays.update(req_pool_indices=np.zeros(len(LENGTHS), np.int64),
+                  sweep_slot_indices=slots, sweep_positions=np.arange(slots.size),
+                  sweep_prev_slot_indices=np.concatenate([[-1], slots[:-1]]))
+    return arrays

@@ -16,7 +16,7 @@ from browser import Browser, find_chromium
 from kvcanary.audit import audit
 from kvcanary.cli import main
 from report_support import (FLIPPED, REMAPPED, paged_arrays, paged_bad_block, per_token_arrays,
-                            save_dump, twice_slot)
+                            save_dump, sweep_only_arrays, twice_slot)
 
 CHROMIUM = find_chromium()
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not found (the report's "
@@ -188,3 +188,16 @@ def test_paged_report_draws_block_boundaries_and_the_block_map(tmp_path, browser
     box, image = canvas_cells(page, "canvas.pool-map")
     columns = pool["pool"]["columns"]
     assert near(pixel(image, box, block // columns, block % columns), VERIFY_POSITION)
+
+
+def test_a_dump_with_only_sweep_entries_has_no_request_map(tmp_path, browser):
+    arrays = sweep_only_arrays()
+    _, url = write_report(tmp_path, "sweep", arrays)
+    page = browser.open(url)
+    assert page.console_errors == [] and page.requests == [url]
+    dom = page.evaluate("""({requestMaps: document.querySelectorAll('canvas.request-map').length,
+                             poolMaps: document.querySelectorAll('canvas.pool-map').length,
+                             entries: document.querySelector('[data-counts=counts_by_entry]').textContent,
+                             rows: document.querySelectorAll('table.findings tbody tr').length})""")
+    assert dom["requestMaps"] == 0 and dom["poolMaps"] == 1
+    assert "sweep" in dom["entries"] and dom["rows"] >= 1

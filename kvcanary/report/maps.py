@@ -7,7 +7,7 @@
 * The pool map: the canary slots (or, on a paged dump, its blocks) in order, wrapped into a
   grid. A cell counts the slots or blocks in it that plan entries use, that hold a finding and
   that are mapped twice (entries map them at two different positions; a cached prefix shared
-  by several requests at the same position is not "twice").
+  by several requests at the same position is not "twice", nor is padding slot 0).
 
 Both grids are bounded (:data:`REQUEST_MAP_ROWS` x :data:`REQUEST_MAP_COLUMNS` and
 :data:`POOL_MAP_CELLS` cells), whatever the dump's size, so a report of a dump whose every
@@ -166,8 +166,11 @@ class ReportMaps:
 
     def _add_mappings(self, slots: np.ndarray, positions: np.ndarray) -> None:
         """Mark used slots, and slots entries map at two different positions (within this
-        launch, or against the position an earlier launch mapped)."""
+        launch, or against the position an earlier launch mapped). Padding slot 0 (the null
+        block on a paged dump) is never "twice": entries on it are findings already."""
         self.slot_used[slots] = True
+        real = slots >= self.unit_slots
+        slots, positions = slots[real], positions[real]
         earlier = self.slot_position[slots]
         self.slot_twice[slots[(earlier >= 0) & (earlier != positions)]] = True
         self.slot_position[slots] = positions        # one of them wins ...

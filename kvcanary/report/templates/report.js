@@ -122,7 +122,8 @@
 
   Array.prototype.forEach.call(document.querySelectorAll("script.map-data"), function (el) {
     var data = JSON.parse(el.textContent), n = el.dataset.section;
-    requestMap(document.getElementById("request-map-" + n), data.requests, document.getElementById("request-legend-" + n));
+    var requests = document.getElementById("request-map-" + n);   // absent: no live request
+    if (requests) requestMap(requests, data.requests, document.getElementById("request-legend-" + n));
     poolMap(document.getElementById("pool-map-" + n), data.pool, document.getElementById("pool-legend-" + n));
   });
 
