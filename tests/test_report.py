@@ -284,3 +284,14 @@ def test_cli_html_to_a_missing_directory_is_exit_2(known, tmp_path):
     assert result.exit_code == 2
     assert result.output.splitlines()[-1].startswith("kvcanary: error: ")
     assert "Traceback" not in result.output
+
+
+def test_padding_slot_zero_is_a_finding_not_a_slot_mapped_twice(tmp_path):
+    arrays = per_token_arrays(faults=False)
+    row = arrays["req_pool_indices"][0]
+    arrays["req_to_token"][row, [3, 5]] = 0
+    _, result, maps = observed(save_dump(tmp_path / "zero.npz", arrays))
+    pool = maps.to_dict()["pool"]
+    assert result.counts_by_reason["slot_zero_in_prefix"] == 2
+    assert pool["twice_total"] == 0
+    assert decode(pool["flags"], "u1")[0] & maps_module.POOL_FINDING
