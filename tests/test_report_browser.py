@@ -40,6 +40,14 @@ def write_report(tmp_path, name: str, arrays: dict) -> tuple:
     return dump, page.as_uri()
 
 
+def open_report(tmp_path, browser, name: str, arrays: dict):
+    """The report of ``arrays`` loaded, after checking it loaded cleanly and offline."""
+    _, url = write_report(tmp_path, name, arrays)
+    page = browser.open(url)
+    assert page.console_errors == [] and page.requests == [url]
+    return page
+
+
 @pytest.fixture(scope="module")
 def browser():
     with Browser(CHROMIUM) as b:
@@ -129,6 +137,15 @@ def pixel(image, box, row: int, column: int) -> tuple:
     return tuple(int(v) for v in image[y, x])
 
 
+def pool_pixel(page, unit: int) -> tuple:
+    """The colour of the pool-map cell of a slot (or block), one unit per cell."""
+    box, image = canvas_cells(page, "canvas.pool-map")
+    pool = json.loads(page.evaluate("document.querySelector('script.map-data').textContent"))
+    assert pool["pool"]["per_cell"] == 1
+    columns = pool["pool"]["columns"]
+    return pixel(image, box, unit // columns, unit % columns)
+
+
 def near(colour, expected, tolerance=6) -> bool:
     return all(abs(a - b) <= tolerance for a, b in zip(colour, expected))
 
@@ -159,20 +176,15 @@ def test_screenshot_has_the_request_map_where_it_should_be(known):
 
 def test_screenshot_of_the_pool_marks_the_slot_mapped_twice(known):
     arrays, _, _, page = known
-    box, image = canvas_cells(page, "canvas.pool-map")
-    columns = page.evaluate("JSON.parse(document.querySelector('script.map-data').textContent)"
-                            ".pool.columns")
     slot = twice_slot(arrays)                                  # it holds a finding too
-    assert near(pixel(image, box, slot // columns, slot % columns), POOL_TWICE_AND_FINDING)
+    assert near(pool_pixel(page, slot), POOL_TWICE_AND_FINDING)
     used = int(arrays["req_to_token"][1, 0])                   # batch index 0, position 0
-    assert near(pixel(image, box, used // columns, used % columns), POOL_USED)
+    assert near(pool_pixel(page, used), POOL_USED)
 
 
 def test_paged_report_draws_block_boundaries_and_the_block_map(tmp_path, browser):
     arrays = paged_arrays()
-    _, url = write_report(tmp_path, "paged", arrays)
-    page = browser.open(url)
-    assert page.console_errors == [] and page.requests == [url]
+    page = open_report(tmp_path, browser, "paged", arrays)
     box, image = canvas_cells(page, "canvas.request-map")
     assert box["lines"] == "drawn"
     # Row 0 is clean: at a block boundary (position 16) the column is darker than inside.
@@ -184,17 +196,11 @@ def test_paged_report_draws_block_boundaries_and_the_block_map(tmp_path, browser
     pool = json.loads(page.evaluate("document.querySelector('script.map-data').textContent"))
     assert pool["pool"]["unit"] == "block"
     assert page.evaluate("document.querySelector('h3 + p + .map-wrap ~ h3').textContent") == "Blocks"
-    block = paged_bad_block(arrays)
-    box, image = canvas_cells(page, "canvas.pool-map")
-    columns = pool["pool"]["columns"]
-    assert near(pixel(image, box, block // columns, block % columns), VERIFY_POSITION)
+    assert near(pool_pixel(page, paged_bad_block(arrays)), VERIFY_POSITION)
 
 
 def test_a_dump_with_only_sweep_entries_has_no_request_map(tmp_path, browser):
-    arrays = sweep_only_arrays()
-    _, url = write_report(tmp_path, "sweep", arrays)
-    page = browser.open(url)
-    assert page.console_errors == [] and page.requests == [url]
+    page = open_report(tmp_path, browser, "sweep", sweep_only_arrays())
     dom = page.evaluate("""({requestMaps: document.querySelectorAll('canvas.request-map').length,
                              poolMaps: document.querySelectorAll('canvas.pool-map').length,
                              entries: document.querySelector('[data-counts=counts_by_entry]').textContent,
