@@ -250,8 +250,8 @@ def _audit_all(paths: list, options: dict, jobs, html: bool = False):
     # spawn: a forked child would inherit a CUDA context it cannot use.
     with WorkerPool(min(len(paths), jobs or os.cpu_count() or 1), start_method="spawn") as pool:
         try:
-            for done, outcome in enumerate(pool.map(functools.partial(run_audit, options=options, html=html),
-                                                    paths, failed=failed), 1):
+            audit_one = functools.partial(run_audit, options=options, html=html)
+            for done, outcome in enumerate(pool.map(audit_one, paths, failed=failed), 1):
                 progress(done, len(paths))
                 yield outcome
         finally:

@@ -735,10 +735,11 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     counts always cover every row. ``progress(done_entries, total_entries)`` is called after
     every launch when given; ``observe(CheckedLaunch)`` too, with every row of the launch.
 
-    Example::
+    Example (every row, however many findings are kept)::
 
-        result = audit("dump.npz", backend="numpy", max_findings=0)
-        assert result.total_violations == len(result.findings)"""
+        launches = []
+        result = audit("dump.npz", backend="numpy", observe=launches.append)
+        assert sum(l.rows.shape[0] for l in launches) == result.total_violations"""
     started = time.perf_counter()
     if isinstance(dump, (str, os.PathLike)):
         dump = load(dump)

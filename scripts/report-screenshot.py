@@ -21,7 +21,8 @@ WIDTH, HEIGHT = 1200, 1600
 
 
 def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.normpath(os.path.join(HERE, "..", "docs", "report.png"))
+    default = os.path.normpath(os.path.join(HERE, "..", "docs", "report.png"))
+    out = sys.argv[1] if len(sys.argv) > 1 else default
     chromium = find_chromium()
     if chromium is None:
         raise SystemExit("needs chromium (the distribution's package)")
