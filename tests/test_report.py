@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import kvcanary
 import kvcanary.report.maps as maps_module
 from kvcanary.audit import audit
 from kvcanary.cli import main
@@ -185,6 +186,8 @@ def test_page_holds_the_summary_metadata_and_findings(known):
     assert page.count("<tr data-reasons=") == 19
     assert 'data-meta="layout">per-token slots<' in page
     assert 'data-meta="real_kv_hash_mode">none<' in page
+    assert 'data-meta="swa_window_size">0<' in page and 'data-meta="real_kv_sources">0<' in page
+    assert f'data-meta="version">{kvcanary.__version__}<' in page
     assert not re.search(r"<(script|img|iframe)[^>]*\ssrc=|<link|url\(|https?://|//[a-z]", page,
                          re.I)
     assert result.findings[0].cause in page.replace("&#39;", "'")
