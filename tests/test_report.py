@@ -213,6 +213,8 @@ def test_an_explain_like_report_without_maps_renders_what_it_has(tmp_path):
     assert 'data-summary="lower_bound">yes<' in page
     assert 'data-count="TAIL_K_FULL">3<' in page
     assert "<li>one position across many slots</li>" in page
+    bare = render_html(build_report([{"name": "x.log", "findings": [{"slot_idx": 1}]}]))
+    assert "data-verdict" not in bare and "<td>1</td>" in bare
 
 
 def test_the_documented_python_example_writes_the_page(known, tmp_path, monkeypatch):
