@@ -87,8 +87,10 @@ class Evidence:
     slot, None if nothing was written there this session; ``own_slot``: where this request
     itself wrote this position (None when it came from the prefix cache or a fork);
     ``table_slot``: the slot the block table maps; ``engine_position``: the position id the
-    engine used (write rows); ``trash``: whether a slot lies in the engine's trash blocks;
-    ``near_slots``: the table slots of positions ``position - 1`` and ``position + 1``."""
+    engine used (write rows); ``trash``: whether ``own_slot`` lies in the engine's trash
+    blocks; ``near_slots``: the table slots of positions ``position - 1`` and ``position + 1``;
+    ``own_followed``: whether that write went where the block table said at the time;
+    ``misread_before``: whether this step gathered position ``position - 1`` from a wrong slot."""
 
     request_id: str
     position: int
@@ -100,6 +102,8 @@ class Evidence:
     trash: bool = False
     near_slots: tuple = (None, None)
     sources: str = ""
+    own_followed: bool = True
+    misread_before: bool = False
 
 
 def explain(reasons: tuple, bits: int, violation: Violation | None, ev: Evidence) -> str:
@@ -123,6 +127,10 @@ def explain(reasons: tuple, bits: int, violation: Violation | None, ev: Evidence
         return (f"misdirected write: {ev.request_id} wrote position {ev.position} into {at}"
                 f"{victim} instead of its own slot {ev.table_slot}")
     if violation is not None and bits & (_WRITE_POSITION | _WRITE_TOKEN):
+        if bits & _WRITE_POSITION and violation.position == ev.position:
+            return (f"the position id {ev.position} is right, but the record before it (this "
+                    f"write's chain seed) holds position {violation.expected_aux - 1}: an "
+                    f"earlier write of {ev.request_id} was lost, misplaced or mis-positioned")
         if bits & _WRITE_POSITION:
             return (f"position ids off: the engine wrote {ev.request_id}'s token at position "
                     f"{ev.position} with position id {violation.position} (the slot is "
@@ -151,6 +159,9 @@ def _mapping_cause(v: Violation | None, ev: Evidence) -> str:
         if ev.trash:
             return (f"lost write: {ev.request_id} position {ev.position} was written to the "
                     f"trash block, so slot {ev.slot} holds {holds}")
+        if not ev.own_followed:
+            return (f"{ev.request_id}'s write of position {ev.position} was misdirected to slot "
+                    f"{ev.own_slot}, so its own slot {ev.slot} holds {holds}")
         return (f"{ev.request_id} wrote position {ev.position} to slot {ev.own_slot} but now "
                 f"reads it from slot {ev.slot}, which holds {holds}: its block-table entry was "
                 "changed after the write (remapped onto another block)")
@@ -165,9 +176,22 @@ def _mapping_cause(v: Violation | None, ev: Evidence) -> str:
     if writer is None:
         return (f"slot {ev.slot} was never written this session, yet {ev.request_id} reads "
                 f"position {ev.position} from it")
+    if v is not None and int(v.fail_reason_bits) == _CHAIN and ev.misread_before:
+        return (f"the record of {ev.request_id} position {ev.position} is intact; its chain "
+                f"link fails because this step gathered position {ev.position - 1} from a wrong "
+                "slot (a misread)")
     if v is not None and int(v.fail_reason_bits) == _CHAIN:
         return (f"the record of {ev.request_id} position {ev.position} is intact but its "
                 "predecessor's record changed after it was written")
+    if v is not None and writer[:2] == (ev.request_id, ev.position) and v.position != ev.position:
+        return (f"slot {ev.slot} holds the record {ev.request_id} wrote for position "
+                f"{ev.position} at step {writer[2]}, stored with position id {v.position}: that "
+                f"write's position id was off by {v.position - ev.position:+d}")
+    if v is not None and writer[:2] == (ev.request_id, ev.position):
+        return (f"slot {ev.slot} holds the token {v.stored_token} that {ev.request_id} wrote "
+                f"for position {ev.position} at step {writer[2]}, but the request's token there "
+                f"is {v.expected_token}: its token ids and positions disagree (an input id or "
+                "the position offset is off)")
     return f"slot {ev.slot} holds {holds}, not {ev.request_id}'s position {ev.position}"
 
 

@@ -534,13 +534,14 @@ class _Session:
                 req_to_token=xp.asarray(table), verify_plan=self.verify_plan,
                 write_plan=self.write_plan, **kwargs)
         entries = int(prefix.sum())
-        events = {}
+        events, self.misread = {}, set()
         for i, (rec, _, engine_past, past, slots, read, _) in enumerate(batch):
             n_read = min(past, engine_past)
             bad = np.flatnonzero(read[:n_read] != slots[:n_read])
             g.stats["read_index_mismatches"] += int(bad.size)
             for pos in bad:
                 events[(i, int(pos), int(read[pos]))] = [0, None, {READ_INDEX_MISMATCH}]
+                self.misread.add((i, int(pos)))
         if entries:
             kc.verify(self.context, self.verify_plan, check_expected_token=g.check_tokens)
             g.stats["entries_verified"] += entries
@@ -605,6 +606,8 @@ class _Session:
         positions = _host(io.position_ids[:total]).astype(np.int64)
         expected_tokens = np.concatenate(
             [_padded(tokens, past, q) for _, q, _, past, _, _, tokens in batch])
+        # A position past the request's tokens has no known token: nothing to compare there.
+        expected_tokens = np.where(expected_tokens < 0, input_ids, expected_tokens)
         expected_positions = np.concatenate(
             [np.arange(past, past + q, dtype=np.int64) for _, q, _, past, _, _, _ in batch])
         kc.write(self.context, self.write_plan, input_ids=xp.asarray(input_ids),
@@ -631,7 +634,8 @@ class _Session:
             event[1] = event[1] if event[1] is not None else Violation.from_row(row)
         # Who wrote each slot (findings name the writer) and where each request wrote.
         keys = list(zip(owners.tolist(), expected_positions.tolist()))
-        self._record(events, batch, written=dict(zip(keys, written.tolist())),
+        followed = (written == table).tolist()
+        self._record(events, batch, written=dict(zip(keys, zip(written.tolist(), followed))),
                      engine_positions=dict(zip(keys, positions.tolist())))
         inside = written < self.num_slots
         uids = np.array([self._uid(b[0].request_id) for b in batch], dtype=np.int64)
@@ -640,8 +644,9 @@ class _Session:
         self.writer_step[written[inside]] = self.step
         self.writer_followed[written[inside]] = (written == table)[inside]
         for i, (rec, q, engine_past, past, _, _, _) in enumerate(batch):
-            for pos, slot in zip(range(past, past + q), written[owners == i].tolist()):
-                rec.own[pos] = slot
+            mine = np.flatnonzero(owners == i).tolist()
+            for pos, e in zip(range(past, past + q), mine):
+                rec.own[pos] = (int(written[e]), followed[e])
             rec.length = engine_past + q      # follow the engine once its step is checked
         self.last = [(rec.request_id, list(self.allocator.block_table.get(rec.request_id, ())),
                       rec.length, tokens) for rec, _, _, _, _, _, tokens in batch]
@@ -665,16 +670,19 @@ class _Session:
             reasons = row_reasons(bits, sorted(checks))
 
             def evidence(key=(i, position), rec=rec, slot=slot, table=table):
-                own = (written or {}).get(key, rec.own.get(key[1]))
+                own = (written or {}).get(key) or rec.own.get(key[1]) or (None, True)
                 return self._evidence(rec, key[1], slot, table, own,
-                                      (engine_positions or {}).get(key))
+                                      (engine_positions or {}).get(key),
+                                      (i, key[1] - 1) in self.misread)
 
             found = g.log.add(self.step, rec.request_id, position, slot,
                               slot // self.page, reasons, violation, evidence)
             if found is not None:
                 g._report(found)
 
-    def _evidence(self, rec, position, slot, table, own, engine_position) -> Evidence:
+    def _evidence(self, rec, position, slot, table, own_write, engine_position,
+                  misread_before) -> Evidence:
+        own, followed = own_write
         writer = None
         if 0 <= slot < self.num_slots and self.writer_request[slot] >= 0:
             writer = (self.request_names[self.writer_request[slot]],
@@ -688,7 +696,8 @@ class _Session:
             request_id=rec.request_id, position=position, slot=slot,
             table_slot=int(table[position]) if position < table.size else -1,
             writer=writer, own_slot=own, engine_position=engine_position, trash=trash,
-            near_slots=near, sources="+".join(name for name, _ in self.real_kv) or "no source")
+            near_slots=near, sources="+".join(name for name, _ in self.real_kv) or "no source",
+            own_followed=followed, misread_before=misread_before)
 
     # -- forks and offloading
 
