@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -214,10 +215,14 @@ def _generation_step_hook(original):
         g = _Hooks.active.get(id(model))
         if g is None or g._error is not None:
             return original(self, model)
+        start = time.perf_counter()
         session = g._session_for(self)
         session.before_step(self)
+        forward = time.perf_counter()
         result = original(self, model)
+        back = time.perf_counter()
         session.after_step(self)
+        g._time_step(forward - start + time.perf_counter() - back, back - forward)
         return result
 
     _generation_step.__wrapped__ = original
@@ -285,6 +290,7 @@ class Guard:
         self._session = None
         self._error = None
         self._inside = False
+        self.step_times = []     # (guard seconds, engine step seconds) per guarded step
 
     # -- context manager
 
@@ -332,8 +338,13 @@ class Guard:
 
     def summary(self) -> dict:
         """``steps`` (forward steps guarded), ``entries_verified``, ``tokens_written``,
-        ``findings``, and the ring rows, dropped rows, copied and restored blocks."""
-        return dict(self.stats, findings=len(self.log))
+        ``findings``, the ring rows, dropped rows, copied and restored blocks, and the median
+        per step of the guard's time and of the engine's own step (``guard_ms_median``,
+        ``engine_ms_median``; ``step_times`` holds every step's pair in seconds)."""
+        times = np.array(self.step_times or [(0.0, 0.0)])
+        return dict(self.stats, findings=len(self.log),
+                    guard_ms_median=float(np.median(times[:, 0]) * 1e3),
+                    engine_ms_median=float(np.median(times[:, 1]) * 1e3))
 
     def dump(self, path) -> str:
         """Write the engine's last guarded step as a kvcanary dump (the container chosen by
@@ -345,6 +356,9 @@ class Guard:
         return save_dump(path, **self._session.dump_arrays())
 
     # -- internals
+
+    def _time_step(self, guard_s: float, engine_s: float) -> None:
+        self.step_times.append((guard_s, engine_s))
 
     def _session_for(self, processor) -> "_Session":
         if self._session is None or self._session.cache is not processor.cache:
