@@ -448,3 +448,25 @@ def test_guard_runs_the_cuda_kernels_on_engine_tensors():
     assert guard.summary()["findings"] == 0 and len(outputs) == 40
     assert guard._session.xp.__name__ == "cupy"
     assert np.asarray(guard.summary()["entries_verified"]) > 0
+
+
+# ------------------------------------------------------------------ demo
+
+
+def test_demo_engine_transformers_finds_the_injected_fault():
+    result = CliRunner().invoke(main, ["demo", "--engine", "transformers"])
+    assert result.exit_code == 0, result.output
+    assert "clean run:" in result.output and "0 finding(s)" in result.output
+    assert "remapped" in result.output and result.output.rstrip().endswith(
+        "the fault was found at its request")
+
+
+def test_demo_engine_without_transformers_is_exit_2(monkeypatch):
+    import kvcanary.demo as demo
+
+    def missing(*args, **kwargs):
+        raise ImportError("No module named 'torch'")
+
+    monkeypatch.setattr(demo, "run_engine_demo", missing)
+    result = CliRunner().invoke(main, ["demo", "--engine", "transformers"])
+    assert result.exit_code == 2 and "kvcanary[transformers]" in result.output
