@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import api
 from ..consts import FailReason
+from ..types import CanaryContext, VerifyPlan, ViolationLog
 from ..violations import Violation, reason_labels
 
 READ_INDEX_MISMATCH = "read_index_mismatch"
@@ -262,18 +263,16 @@ def _match(rows: np.ndarray, predicted: np.ndarray, entries: np.ndarray) -> np.n
 def recheck_on_host(context, plan_arrays: dict, check_tokens: bool):
     """A ``recheck`` for :func:`attribute`: re-verifies entries on the numpy reference with
     a fresh ring, over the host copy ``context`` (its canary and sources as numpy)."""
-    import kvcanary as kc
-
     def run(entries: np.ndarray):
-        plan = kc.VerifyPlan(
+        plan = VerifyPlan(
             verify_slot_indices=plan_arrays["slots"][entries].copy(),
             verify_expected_tokens=plan_arrays["tokens"][entries].copy(),
             verify_expected_positions=plan_arrays["positions"][entries].copy(),
             verify_prev_slot_indices=plan_arrays["prevs"][entries].copy(),
             verify_num_valid=np.array([entries.size], dtype=np.int32),
             enable=np.ones(1, dtype=np.int32))
-        log = kc.ViolationLog.allocate(max(1, entries.size))
-        ctx = kc.CanaryContext(context.canary_buf, kernel_kind=context.kernel_kind,
+        log = ViolationLog.allocate(max(1, entries.size))
+        ctx = CanaryContext(context.canary_buf, kernel_kind=context.kernel_kind,
                                violation_log=log, slot_run_counter=np.zeros(1, np.int64),
                                kernel_run_counter=np.zeros(1, np.int64),
                                real_kv_sources=context.real_kv_sources,

@@ -41,7 +41,7 @@ import kvcanary as kc
 
 from ..dump import save as save_dump
 from ..types import to_host
-from ..violations import Violation, reason_labels
+from ..violations import Violation
 from .findings import (
     READ_INDEX_MISMATCH,
     WRITE_INDEX_MISMATCH,
@@ -573,6 +573,8 @@ class _Session:
                     event[0] |= int(row[7])
                     event[1] = event[1] if event[1] is not None else Violation.from_row(row)
         self._record(events, batch)
+        if g._error is not None:     # on_violation="raise": stop before the forward
+            raise g._error
 
     def _recheck(self, entries: int):
         plan = self.verify_plan
@@ -804,4 +806,4 @@ def _padded(tokens: np.ndarray, start: int, count: int) -> np.ndarray:
 
 
 __all__ = ["GuardError", "Guard", "SUPPORTED_RANGE", "SUPPORTED_VERSIONS", "guard",
-           "supported_version", "reason_labels"]
+           "supported_version"]
