@@ -31,8 +31,8 @@ def test_rows_on_a_shared_slot_go_to_the_entry_that_fails():
     # slot 5 as well (shared), where B expects token 9 at position 0.
     wp = kc.WritePlan.allocate(1)
     kc.plan(req_pool_indices=_i64([1]), prefix_lens=_i64([0]), extend_seq_lens=_i64([2]),
-            req_to_token=np.array([[0, 0], [4, 5]], np.int64), verify_plan=kc.VerifyPlan.allocate(1),
-            write_plan=wp)
+            req_to_token=np.array([[0, 0], [4, 5]], np.int64),
+            verify_plan=kc.VerifyPlan.allocate(1), write_plan=wp)
     kc.write(ctx, wp, input_ids=_i64([5, 6]), positions=_i64([0, 1]), out_cache_loc=_i64([4, 5]))
     plan = kc.VerifyPlan.allocate(3)
     kc.plan(req_pool_indices=_i64([1, 2]), prefix_lens=_i64([2, 1]), extend_seq_lens=_i64([0, 0]),

@@ -72,7 +72,8 @@ def batching(num_blocks=64, max_batch_tokens=64, **kw):
 def run(model, *, inputs=None, forks=1, cb=None, **guard_kw):
     guard = kvt.guard(model, **{"on_violation": lambda f: None, **guard_kw})
     with guard:
-        outputs = model.generate_batch(inputs=inputs or prompts(), generation_config=generation(forks),
+        outputs = model.generate_batch(inputs=inputs or prompts(),
+                                       generation_config=generation(forks),
                                        continuous_batching_config=cb or batching())
     return guard, outputs
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -378,6 +379,18 @@ class Guard:
             self.on_violation(finding)
 
 
+class _InBatch(NamedTuple):
+    """One request of the step being guarded."""
+
+    rec: "_Request"
+    query: int          # tokens this step writes
+    engine_past: int    # the engine's position offset before the step
+    past: int           # kvcanary's own count of the request's tokens before the step
+    table: np.ndarray   # the block table's slots of positions [0, past + query + 1)
+    read: np.ndarray    # the slots verified for positions [0, past)
+    tokens: np.ndarray  # the request's token ids (prompt + generated)
+
+
 class _Request:
     __slots__ = ("request_id", "state", "length", "own", "restored")
 
@@ -518,7 +531,7 @@ class _Session:
                     n = min(past, engine_past, got.size)
                     read[:n] = got[:n]
             tokens = np.asarray(state.initial_tokens + state.generated_tokens, dtype=np.int64)
-            batch.append((rec, q, engine_past, past, table, read, tokens))
+            batch.append(_InBatch(rec, q, engine_past, past, table, read, tokens))
         self.batch = batch
         self._plan_and_verify(batch)
 
@@ -534,8 +547,8 @@ class _Session:
             table[i + 1, :past] = read
             valid[i] = min(tokens.size, width)
             pool[i + 1, :valid[i]] = tokens[:valid[i]]
-        prefix = np.array([b[3] for b in batch], dtype=np.int64)
-        extend = np.array([b[1] for b in batch], dtype=np.int64)
+        prefix = np.array([b.past for b in batch], dtype=np.int64)
+        extend = np.array([b.query for b in batch], dtype=np.int64)
         capacity = max(1, int(prefix.sum()))
         self.verify_plan = kc.VerifyPlan.allocate(capacity, xp=xp)
         self.write_plan = kc.WritePlan.allocate(max(1, n), xp=xp)
@@ -613,9 +626,10 @@ class _Session:
 
     def after_step(self, processor) -> None:
         g, xp, io, batch = self.guard, self.xp, processor.inputs_and_outputs, self.batch
-        total = sum(b[1] for b in batch)
+        total = sum(b.query for b in batch)
         if io.use_block_table:
-            written = np.concatenate([b[4][b[2]:b[2] + b[1]] for b in batch])
+            written = np.concatenate([b.table[b.engine_past:b.engine_past + b.query]
+                                      for b in batch])
         else:
             written = self.to_slots(_host(io.write_index_storage[0, :total]))
         input_ids = _host(io.input_ids[:total]).astype(np.int64)
@@ -631,8 +645,8 @@ class _Session:
                  expected_input_tokens=xp.asarray(expected_tokens),
                  expected_input_positions=xp.asarray(expected_positions))
         g.stats["tokens_written"] += total
-        owners = np.repeat(np.arange(len(batch)), [b[1] for b in batch])
-        table = np.concatenate([b[4][b[3]:b[3] + b[1]] for b in batch])
+        owners = np.repeat(np.arange(len(batch)), [b.query for b in batch])
+        table = np.concatenate([b.table[b.past:b.past + b.query] for b in batch])
         events = {}
         for e in np.flatnonzero(written != table):
             g.stats["write_index_mismatches"] += 1
@@ -654,7 +668,7 @@ class _Session:
         self._record(events, batch, written=dict(zip(keys, zip(written.tolist(), followed))),
                      engine_positions=dict(zip(keys, positions.tolist())))
         inside = written < self.num_slots
-        uids = np.array([self._uid(b[0].request_id) for b in batch], dtype=np.int64)
+        uids = np.array([self._uid(b.rec.request_id) for b in batch], dtype=np.int64)
         self.writer_request[written[inside]] = uids[owners[inside]]
         self.writer_position[written[inside]] = expected_positions[inside]
         self.writer_step[written[inside]] = self.step
@@ -682,7 +696,7 @@ class _Session:
         slot and position id of each ``(batch index, position)``."""
         g = self.guard
         for (i, position, slot), (bits, violation, checks) in events.items():
-            rec, table = batch[i][0], batch[i][4]
+            rec, table = batch[i].rec, batch[i].table
             reasons = row_reasons(bits, sorted(checks))
 
             def evidence(key=(i, position), rec=rec, slot=slot, table=table):
