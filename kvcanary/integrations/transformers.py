@@ -31,6 +31,7 @@ layer ``i``'s K (or V) rows of every block. torch and transformers are imported 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -218,11 +219,13 @@ def _generation_step_hook(original):
             return original(self, model)
         start = time.perf_counter()
         session = g._session_for(self)
-        session.before_step(self)
+        with session.on_engine_stream(self):
+            session.before_step(self)
         forward = time.perf_counter()
         result = original(self, model)
         back = time.perf_counter()
-        session.after_step(self)
+        with session.on_engine_stream(self):
+            session.after_step(self)
         g._time_step(forward - start + time.perf_counter() - back, back - forward)
         return result
 
@@ -468,6 +471,16 @@ class _Session:
                 view, page_size=self.page, num_bytes_per_token=token_bytes,
                 read_bytes=token_bytes)))
         return out
+
+    def on_engine_stream(self, processor):
+        """On a CUDA device, kvcanary's launches queue on the stream the engine computes on,
+        so a verify or write never races the engine's KV writes."""
+        if self.xp is np:
+            return contextlib.nullcontext()
+        import torch
+
+        stream = processor.inputs_and_outputs.compute_stream or torch.cuda.current_stream()
+        return self.xp.cuda.ExternalStream(stream.cuda_stream)
 
     # -- index conversions
 
