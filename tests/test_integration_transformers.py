@@ -69,11 +69,11 @@ def batching(num_blocks=64, max_batch_tokens=64, **kw):
                                     use_async_batching=False, **kw)
 
 
-def run(model, *, inputs=None, forks=1, cb=None, **guard_kw):
+def run(model, *, inputs=None, forks=1, new_tokens=8, cb=None, **guard_kw):
     guard = kvt.guard(model, **{"on_violation": lambda f: None, **guard_kw})
     with guard:
         outputs = model.generate_batch(inputs=inputs or prompts(),
-                                       generation_config=generation(forks),
+                                       generation_config=generation(forks, new_tokens),
                                        continuous_batching_config=cb or batching())
     return guard, outputs
 
@@ -471,3 +471,33 @@ def test_demo_engine_without_transformers_is_exit_2(monkeypatch):
     monkeypatch.setattr(demo, "run_engine_demo", missing)
     result = CliRunner().invoke(main, ["demo", "--engine", "transformers"])
     assert result.exit_code == 2 and "kvcanary[transformers]" in result.output
+
+
+# ------------------------------------------------------------------ offloading
+
+
+class _TorchWithoutPinnedMemory:
+    """torch as the offloading manager sees it: a CPU-only build has no pinned memory, so the
+    CPU swap pool is allocated as plain memory (the copies are the same)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, pin_memory=False, **kwargs):
+        return torch.empty(*args, **kwargs)
+
+
+def test_kv_offloaded_to_the_cpu_comes_back_with_its_records(model, monkeypatch):
+    from transformers.generation.continuous_batching import offloading_manager
+
+    monkeypatch.setattr(offloading_manager, "torch", _TorchWithoutPinnedMemory())
+    cb = batching(num_blocks=24, cpu_offload_space=0.001)     # too small for 40 requests
+    guard, outputs = run(model, cb=cb, new_tokens=16)
+    assert len(outputs) == 40 and all(o.error is None for o in outputs.values())
+    s = guard.summary()
+    assert s["blocks_restored"] > 0 and s["findings"] == 0, guard.findings()[:2]
+    # Without the records coming back, the restored blocks would not verify.
+    monkeypatch.setattr(kvt._Session, "restore_records", lambda self, state: None)
+    guard, _ = run(model, cb=cb, new_tokens=16)
+    assert guard.summary()["findings"] > 0

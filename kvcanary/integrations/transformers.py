@@ -344,7 +344,7 @@ class Guard:
         """``steps`` (forward steps guarded), ``entries_verified``, ``tokens_written``,
         ``findings``, the ring rows, dropped rows, copied and restored blocks, and the median
         per step of the guard's time and of the engine's own step (``guard_ms_median``,
-        ``engine_ms_median``; ``step_times`` holds every step's pair in seconds)."""
+        ``engine_ms_median``; ``guard.step_times`` holds every step's pair in seconds)."""
         times = np.array(self.step_times or [(0.0, 0.0)])
         return dict(self.stats, findings=len(self.log),
                     guard_ms_median=float(np.median(times[:, 0]) * 1e3),
@@ -399,7 +399,7 @@ class _Request:
 
     def __init__(self, request_id, state, length):
         self.request_id, self.state, self.length = request_id, state, length
-        self.own = {}          # position -> slot this request wrote it to
+        self.own = {}   # position -> (slot it was written to, whether the table named it)
         self.restored = False
 
 
