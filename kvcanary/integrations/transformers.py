@@ -744,6 +744,12 @@ class _Session:
 
     # -- forks and offloading
 
+    @property
+    def writer_columns(self) -> tuple:
+        """Per slot: who wrote its record (request uid, position, step, table followed)."""
+        return (self.writer_request, self.writer_position, self.writer_step,
+                self.writer_followed)
+
     def _block_slots(self, blocks) -> np.ndarray:
         blocks = np.asarray(blocks, dtype=np.int64)
         return (blocks[:, None] * self.page + np.arange(self.page)).reshape(-1)
@@ -755,18 +761,14 @@ class _Session:
         src, dst = self._block_slots(source_blocks), self._block_slots(dest_blocks)
         buf = self.context.canary_buf
         buf[self.xp.asarray(dst)] = buf[self.xp.asarray(src)]
-        for column in (self.writer_request, self.writer_position, self.writer_step,
-                       self.writer_followed):
+        for column in self.writer_columns:
             column[dst] = column[src]
         self.guard.stats["blocks_copied"] += len(source_blocks)
 
     def save_records(self, request_id: str, blocks) -> None:
         slots = self._block_slots(blocks)
         self.saved[request_id] = (self.context.canary_buf[self.xp.asarray(slots)].copy(),
-                                  [c[slots].copy() for c in (self.writer_request,
-                                                             self.writer_position,
-                                                             self.writer_step,
-                                                             self.writer_followed)])
+                                  [column[slots].copy() for column in self.writer_columns])
 
     def restore_records(self, state) -> None:
         """KV restored from the CPU lands in new blocks: its records come back with it."""
@@ -778,8 +780,7 @@ class _Session:
         count = min(len(blocks), records.shape[0] // self.page)
         slots = self._block_slots(blocks[:count])
         self.context.canary_buf[self.xp.asarray(slots)] = records[:slots.size]
-        for column, values in zip((self.writer_request, self.writer_position, self.writer_step,
-                                   self.writer_followed), columns):
+        for column, values in zip(self.writer_columns, columns):
             column[slots] = values[:slots.size]
         rec = self.requests.get(state.request_id)
         if rec is not None:
