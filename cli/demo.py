@@ -11,7 +11,8 @@ from kvcanary.audit import BACKENDS
 from kvcanary.synth import MODES
 from kvcanary.violations import reason_labels
 
-from .common import EXIT_CLEAN, EXIT_VIOLATIONS, SEED_RANGE, Progress, error_boundary
+from .common import (EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS, SEED_RANGE, Progress,
+                     error_boundary)
 
 
 @click.command("demo")
@@ -22,11 +23,18 @@ from .common import EXIT_CLEAN, EXIT_VIOLATIONS, SEED_RANGE, Progress, error_bou
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="Keep the clean and faulty dumps in this directory.")
 @click.option("--compat", is_flag=True, help="Audit with upstream's rules only.")
-def demo_command(mode, backend, seed, keep, compat):
+@click.option("--engine", type=click.Choice(["transformers"]), default=None,
+              help="Guard a real engine instead: a tiny random Llama generates through "
+                   "transformers' continuous batching, clean and with a fault injected into "
+                   "the engine (needs kvcanary[transformers]).")
+def demo_command(mode, backend, seed, keep, compat, engine):
     """Synthesise a workload, audit it clean, inject every fault kind, audit again.
 
     Exit 0 only when the clean audit has no violation and every fault the canary can see in
-    this mode was detected; faults it cannot see are listed as such."""
+    this mode was detected; faults it cannot see are listed as such. With --engine, exit 0
+    when the clean run has no finding and the injected fault is found at its request."""
+    if engine is not None:
+        _engine_demo(engine, seed)
     from kvcanary.demo import DEMO_CONFIG, group_notes, run_demo
 
     c = DEMO_CONFIG
@@ -85,4 +93,35 @@ def demo_command(mode, backend, seed, keep, compat):
     if missed:
         reasons.append(f"{missed} visible fault(s) were not detected")
     click.echo("FAIL: " + "; ".join(reasons))
+    sys.exit(EXIT_VIOLATIONS)
+
+
+def _engine_demo(engine: str, seed: int) -> None:
+    from kvcanary.demo import run_engine_demo
+
+    try:
+        report = run_engine_demo(engine, seed=seed)
+    except ImportError as exc:
+        click.echo(f"kvcanary demo --engine {engine}: needs torch and transformers "
+                   f"(pip install 'kvcanary[transformers]'): {exc}", err=True)
+        sys.exit(EXIT_ERROR)
+    clean, faulty = report.clean, report.faulty
+    click.echo(f"kvcanary demo --engine {engine}: a tiny random Llama generating through "
+               "continuous batching, guarded by kvcanary")
+    click.echo(f"clean run:  {clean['steps']} steps, {clean['entries_verified']} entries "
+               f"verified, {clean['tokens_written']} tokens written, {clean['findings']} "
+               "finding(s)")
+    click.echo(f"fault:      {report.fault}")
+    click.echo(f"faulty run: {faulty['steps']} steps, {faulty['findings']} finding(s)")
+    hits = report.hits()
+    if hits:
+        click.echo("")
+        click.echo("what the guard found at the fault:")
+        click.echo(hits[0].describe())
+        click.echo("")
+    if report.passed:
+        click.echo("PASS: the clean run has no finding and the fault was found at its request")
+        sys.exit(EXIT_CLEAN)
+    click.echo("FAIL: " + ("the clean run has findings" if clean["findings"] else
+                           "the injected fault was not found at its request"))
     sys.exit(EXIT_VIOLATIONS)

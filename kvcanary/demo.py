@@ -102,3 +102,96 @@ def group_notes(notes) -> list:
     for note in notes:
         counts[note] += 1
     return [f"{n} {note}" if n > 1 else note for note, n in counts.items()]
+
+
+# ------------------------------------------------------------------ a real engine
+
+ENGINE_DEMO = dict(requests=16, prefix=24, new_tokens=8, page_size=8)
+
+
+@dataclass
+class EngineDemoReport:
+    clean: dict                 # the clean run's summary
+    faulty: dict                # the faulted run's summary
+    findings: list              # the faulted run's findings
+    fault: str                  # what was injected, in words
+    victim: tuple               # (request id, first position of the remapped block)
+
+    @property
+    def passed(self) -> bool:
+        return self.clean["findings"] == 0 and bool(self.hits())
+
+    def hits(self) -> list:
+        rid, first = self.victim
+        page = ENGINE_DEMO["page_size"]
+        return [f for f in self.findings
+                if f.request_id == rid and first <= f.position < first + page]
+
+
+def run_engine_demo(engine: str = "transformers", seed: int = 0) -> EngineDemoReport:
+    """Generate with a tiny randomly initialised Llama through transformers' continuous
+    batching under a guard, clean and then with one block-table entry of a decoding request
+    remapped onto another request's block (a fault in the engine's own state). Needs torch
+    and transformers (``ImportError`` otherwise)."""
+    if engine != "transformers":
+        raise ValueError(f"kv-canary: demo engine must be 'transformers', got {engine!r}")
+    import random
+
+    import torch
+    import transformers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.input_outputs import (
+        ContinuousBatchingIOs,
+    )
+
+    from .integrations import transformers as kvt
+
+    transformers.utils.logging.set_verbosity_error()
+    c = ENGINE_DEMO
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    r = random.Random(seed)
+    prefix = [r.randrange(1, 128) for _ in range(c["prefix"])]
+    prompts = [prefix + [r.randrange(1, 128) for _ in range(r.randrange(10, 20))]
+               for _ in range(c["requests"])]
+    generation = GenerationConfig(max_new_tokens=c["new_tokens"], do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+
+    def generate(guard):
+        with guard:
+            model.generate_batch(inputs=prompts, generation_config=generation,
+                                 continuous_batching_config=ContinuousBatchingConfig(
+                                     page_size=c["page_size"], num_blocks=64,
+                                     max_batch_tokens=64, max_requests_per_batch=8))
+        return guard
+
+    clean = generate(kvt.guard(model, on_violation=lambda finding: None))
+    block = c["prefix"] // c["page_size"]          # the first block past the shared prefix
+    target = {}
+    original = ContinuousBatchingIOs.prepare_batch_tensors
+
+    def prepare(io, requests_in_batch, *args, **kwargs):
+        decoding = [f.state for f in requests_in_batch if f.query_length == 1 and
+                    f.state.position_offset >= (block + 1) * c["page_size"]]
+        if not target and len(decoding) >= 2:
+            table = next(iter(io.cache.cache_allocators.values())).block_table
+            victim, other = decoding[:2]
+            table[victim.request_id][block] = table[other.request_id][block]
+            target.update(victim=victim.request_id, other=other.request_id)
+        return original(io, requests_in_batch, *args, **kwargs)
+
+    ContinuousBatchingIOs.prepare_batch_tensors = prepare
+    try:
+        faulty = generate(kvt.guard(model, on_violation=lambda finding: None))
+    finally:
+        ContinuousBatchingIOs.prepare_batch_tensors = original
+    fault = (f"block {block} of {target.get('victim')}'s block table remapped onto "
+             f"{target.get('other')}'s block")
+    return EngineDemoReport(clean=clean.summary(), faulty=faulty.summary(),
+                            findings=faulty.findings(), fault=fault,
+                            victim=(target.get("victim"), block * c["page_size"]))
