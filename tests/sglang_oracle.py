@@ -86,7 +86,8 @@ def _no_jit(*args, **kwargs):
 
 
 def load(root: Path) -> types.SimpleNamespace:
-    """Import the kv_canary modules under ``root``; returns them by short name."""
+    """Import the kv_canary modules under ``root``; returns them by short name, with
+    ``torch``."""
     existing = sys.modules.get("sglang")
     if existing is not None and getattr(existing, "__kvcanary_oracle__", None) != str(root):
         raise Unavailable("another sglang package is already imported in this process")
@@ -101,7 +102,9 @@ def load(root: Path) -> types.SimpleNamespace:
         utils.cache_once = lambda function: function
         utils.load_jit = utils.make_cpp_args = _no_jit
         sys.modules[utils.__name__] = utils
-    return types.SimpleNamespace(**{
+    import torch
+
+    return types.SimpleNamespace(torch=torch, **{
         name: importlib.import_module(f"sglang.kernels.ops.kv_canary.{name}")
         for name in MODULES})
 

@@ -4,8 +4,10 @@ Seeded random scenarios, drawn the way an engine produces its launches, run on k
 numpy backend and on SGLang's torch reference functions (``plan_ref``, ``write_ref``,
 ``verify_ref``) in lockstep; after every launch the canary bytes (stride padding
 included), the violation ring, the write index, both counters and the plan arrays must
-be equal. kvcanary runs twice: with ``extensions=False`` (upstream's bytes exactly) and
-with its extensions on.
+be equal. Each scenario runs kvcanary with its extensions on or off; a write launch that
+writes one non-padding slot twice runs with ``extensions=False`` (upstream's bytes exactly),
+since there the extensions add ``WRITE_SLOT_CONFLICT`` rows. A slice of the scenarios runs
+the CUDA kernel source compiled for the CPU as well.
 
 A launch that meets one of kvcanary's documented divergences (docs/extensions.md) is
 set aside, decided from the launch's inputs before it runs, never from its result; the
@@ -16,6 +18,7 @@ scenario stops there and is counted under that reason. A plan both sides refuse
 from __future__ import annotations
 
 import collections
+import sys
 import time
 
 import numpy as np
@@ -23,9 +26,10 @@ import pytest
 
 import kvcanary as kc
 import sglang_oracle
+from kernel_harness.fixtures import assert_compared, cpu_kernels, kernels_behind_numpy  # noqa: F401
 
 SCENARIOS = 3000
-BUDGET_S = 60.0
+KERNEL_SCENARIOS = 300  # also through the CPU-compiled kernels
 NUM_TAGS = 12
 
 # Documented divergences (docs/extensions.md), each a reason a launch is set aside.
@@ -34,7 +38,9 @@ OUTSIDE_SOURCE = "SLOT_OUT_OF_RANGE: a hashed slot outside a real-KV source"
 SEED_ORDER = "order-free writes: a seed slot written earlier in the same launch"
 CONFLICT = "writes with a slot conflict (compared with extensions=False)"
 REFUSED = "plans refused alike (SWA slot outside the LUT), error texts compared"
-COMPARED = ("launches compared", "scenarios compared to the end", REFUSED, CONFLICT)
+SMALL_SOURCES = "of them hashing a real-KV source smaller than the canary buffer"
+COMPARED = ("launches compared", "scenarios compared to the end", SMALL_SOURCES, REFUSED,
+            CONFLICT)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +59,8 @@ class SetAside(Exception):
 
 
 class Side:
-    """One backend's canary state: buffer, log and counters (numpy for kvcanary, torch
-    tensors over their own copies for SGLang)."""
+    """One backend's canary state: buffer, log and counters, each side its own copy
+    (SGLang's side reaches its arrays as torch tensors over the same memory)."""
 
     def __init__(self, canary, ring_capacity):
         self.canary = canary.copy()
@@ -94,6 +100,7 @@ class Launches:
         self.chain_flag = np.array([chain_flag], np.int32)
         self.t = {id(a): torch.from_numpy(a) for a in self.sglang.arrays()}
         self.t_flag = torch.from_numpy(self.chain_flag.copy())
+        self.contexts = {}
         self.launches = 0
 
     def _up_context(self, tag):
@@ -108,14 +115,18 @@ class Launches:
             enable_chain_position_assert=self.t_flag)
 
     def _context(self, tag, extensions: bool):
-        side = self.kvcanary
-        return kc.CanaryContext(
-            side.canary, kernel_kind=tag,
-            violation_log=kc.ViolationLog(side.ring, side.write_index),
-            slot_run_counter=side.slot_counter, kernel_run_counter=side.kernel_counter,
-            real_kv_sources=tuple(src.kvcanary for src in self.sources),
-            real_kv_hash_mode=self.mode, enable_chain_position_assert=self.chain_flag,
-            extensions=extensions)
+        """One context per (tag, extensions), kept: an engine reuses its contexts."""
+        key = (tag, extensions)
+        if key not in self.contexts:
+            side = self.kvcanary
+            self.contexts[key] = kc.CanaryContext(
+                side.canary, kernel_kind=tag,
+                violation_log=kc.ViolationLog(side.ring, side.write_index),
+                slot_run_counter=side.slot_counter, kernel_run_counter=side.kernel_counter,
+                real_kv_sources=tuple(src.kvcanary for src in self.sources),
+                real_kv_hash_mode=self.mode, enable_chain_position_assert=self.chain_flag,
+                extensions=extensions)
+        return self.contexts[key]
 
     def verify(self, plan: "Plans", check_token: bool, tag) -> None:
         self.launches += 1
@@ -223,7 +234,7 @@ def _hashing(launches) -> bool:
     return launches.mode != kc.RealKvHashMode.NONE and bool(launches.sources)
 
 
-def _check_slots(launches, slots, reason_extra="") -> None:
+def _check_slots(launches, slots) -> None:
     """SetAside when any of ``slots`` (the slots upstream reads) is outside the buffer or,
     with hashing on, outside a real-KV source."""
     slots = np.asarray(slots, np.int64)
@@ -245,18 +256,17 @@ def classify_verify(launches, plan: kc.VerifyPlan) -> None:
 
 
 def _spans(plan: kc.WritePlan):
+    """(request, start, end) of every request the write visits, and the total entries."""
     active = max(0, min(int(plan.write_num_valid_reqs[0]), plan.write_req_capacity))
-    if active == 0 or int(plan.write_offsets[active]) <= 0:
-        return []
+    total = int(plan.write_offsets[active]) if active else 0
+    if total <= 0:
+        return [], 0
     return [(r, int(plan.write_offsets[r]), int(plan.write_offsets[r + 1]))
-            for r in range(active) if plan.write_offsets[r + 1] > plan.write_offsets[r]]
+            for r in range(active) if plan.write_offsets[r + 1] > plan.write_offsets[r]], total
 
 
 def classify_write(launches, plan: kc.WritePlan, out_cache_loc) -> None:
-    spans = _spans(plan)
-    if not spans:
-        return
-    total = int(plan.write_offsets[max(r for r, _, _ in spans) + 1])
+    spans, total = _spans(plan)
     seeds = plan.write_seed_slot_indices
     if any(int(seeds[r]) >= launches.num_slots for r, _, _ in spans):
         raise SetAside(OUT_OF_RANGE)
@@ -273,7 +283,7 @@ def classify_write(launches, plan: kc.WritePlan, out_cache_loc) -> None:
 
 
 def _nonzero_slot_conflict(plan, out_cache_loc, num_slots) -> bool:
-    slots = [int(s) for _, start, end in _spans(plan) for s in out_cache_loc[start:end]
+    slots = [int(s) for _, start, end in _spans(plan)[0] for s in out_cache_loc[start:end]
              if 0 < s < num_slots]
     return len(slots) != len(set(slots))
 
@@ -439,6 +449,7 @@ def run_scenario(up, seed: int, stats) -> None:
     launches = Launches(up, torch, canary, int(rng.choice([1, 2, 4, 64])), sources, mode,
                         int(rng.integers(0, 2)), extensions=rng.random() < 0.7)
     smallest = min([s.num_slots for s in sources], default=num_slots)
+    small_sources = smallest < num_slots and mode != kc.RealKvHashMode.NONE
     if smallest < num_slots and rng.random() < 0.7:
         engine.keep_below(smallest)  # every slot written or verified lies inside the sources
     pool_on = rng.random() < 0.5
@@ -446,14 +457,16 @@ def run_scenario(up, seed: int, stats) -> None:
     lut = engine.lut
     if lut is not None and rng.random() < 0.15:  # a mapping shorter than the pool
         lut = lut[: int(rng.integers(1, lut.shape[0]))]
-    write_capacity = engine.max_reqs + 2 + int(rng.integers(0, 3))
+    # Capacity edges: a batch holds up to max_reqs - 1 requests and 2 padding rows, and
+    # a step's verify entries may fit exactly, or overflow (enable = 0).
+    write_capacity = engine.max_reqs + 1 + int(rng.choice([0, 0, 2]))
     need = engine.max_reqs * (engine.window or engine.max_len)
-    verify_capacity = max(1, int(rng.choice([need + 8, need, max(1, need // 3)])))
+    verify_capacity = int(rng.choice([need + 8, rng.integers(1, need + 1)]))
     plans = Plans(up, torch, verify_capacity, write_capacity)
     try:
         for step in range(int(rng.integers(2, 5))):
             rows = engine.step()
-            if not rows or len(rows) > write_capacity:
+            if not rows:
                 continue
             pool = engine.history if pool_on else None
             error = _plan(up, engine, plans, rows, pool, offset, lut)
@@ -485,25 +498,64 @@ def run_scenario(up, seed: int, stats) -> None:
     finally:
         stats["launches compared"] += launches.launches
     stats["scenarios compared to the end"] += 1
+    stats[SMALL_SOURCES] += small_sources
 
 
-def test_kvcanary_matches_sglangs_reference_on_random_engine_scenarios(upstream):
-    import torch
-
-    upstream.torch = torch
+def run_scenarios(upstream, seeds) -> collections.Counter:
     stats = collections.Counter()
-    start = time.perf_counter()
-    for seed in range(SCENARIOS):
+    for seed in seeds:
         try:
             run_scenario(upstream, seed, stats)
         except AssertionError as exc:
             raise AssertionError(f"scenario seed {seed}: {exc}") from None
+    return stats
+
+
+def test_kvcanary_matches_sglangs_reference_on_random_engine_scenarios(upstream):
+    start = time.perf_counter()
+    stats = run_scenarios(upstream, range(SCENARIOS))
     elapsed = time.perf_counter() - start
     set_aside = {k: v for k, v in stats.items() if k not in COMPARED}
     print(f"\nSGLang {sglang_oracle.version()} oracle: {SCENARIOS} scenarios in {elapsed:.1f} s, "
-          f"{stats['scenarios compared to the end']} compared to the end, "
+          f"{stats['scenarios compared to the end']} compared to the end "
+          f"({stats[SMALL_SOURCES]} {SMALL_SOURCES}), "
           f"{stats['launches compared']} launches compared, {stats[REFUSED]} {REFUSED}, "
           f"{stats[CONFLICT]} {CONFLICT}; set aside: "
           + ", ".join(f"{v} {k}" for k, v in sorted(set_aside.items())))
     assert stats["launches compared"] >= 5 * SCENARIOS
-    assert elapsed < BUDGET_S
+
+
+def test_the_cpu_kernels_match_sglangs_reference_too(upstream, kernels_behind_numpy):  # noqa: F811
+    """A slice of the scenarios with kvcanary's numpy dispatch running the CUDA kernel
+    source compiled for the CPU beside the reference (every thread order, bytes compared
+    after each launch), so the kernels meet SGLang's reference as well."""
+    stats = run_scenarios(upstream, range(SCENARIOS, SCENARIOS + KERNEL_SCENARIOS))
+    assert_compared(kernels_behind_numpy)
+    assert stats["launches compared"] >= 5 * KERNEL_SCENARIOS
+    assert kernels_behind_numpy.compared >= stats["launches compared"]  # plans come on top
+
+
+# ------------------------------------------------------------------ obtaining the oracle
+
+
+def test_a_cached_version_is_used_without_pip(tmp_path, monkeypatch):
+    cached = tmp_path / "9.9.9" / sglang_oracle.PACKAGE
+    cached.mkdir(parents=True)
+    (cached / "write_ref.py").write_text("")
+    monkeypatch.setenv(sglang_oracle.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(sglang_oracle.subprocess, "run",
+                        lambda *a, **k: pytest.fail("pip ran although the version is cached"))
+    assert sglang_oracle.obtain("9.9.9") == tmp_path / "9.9.9"
+
+
+def test_a_version_pip_cannot_get_is_unavailable_with_pips_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv(sglang_oracle.CACHE_ENV, str(tmp_path))
+    with pytest.raises(sglang_oracle.Unavailable, match=r"pip download sglang==0\.0\.0\.dev1 "):
+        sglang_oracle.obtain("0.0.0.dev1")
+    assert not (tmp_path / "0.0.0.dev1").exists()  # nothing half-cached
+
+
+def test_without_torch_the_oracle_is_unavailable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    with pytest.raises(sglang_oracle.Unavailable, match="torch is not installed"):
+        sglang_oracle.oracle()
