@@ -115,12 +115,17 @@ def check_translatable(lut, *columns: np.ndarray) -> None:
 
 def translate(slots: np.ndarray, lut) -> np.ndarray:
     """SWA translation; negatives and the out-of-table marker pass through unchanged."""
+    check_translatable(lut, slots)
+    return lookup(slots, lut)
+
+
+def lookup(slots: np.ndarray, lut) -> np.ndarray:
+    """SWA translation of slots already checked against the LUT's length."""
     if lut is None:
         return slots
-    check_translatable(lut, slots)
-    lookup = (slots >= 0) & (slots != PLAN_SLOT_OUT_OF_TABLE)
+    inside = (slots >= 0) & (slots != PLAN_SLOT_OUT_OF_TABLE)
     result = slots.copy()
-    result[lookup] = lut[slots[lookup]]
+    result[inside] = lut[slots[inside]]
     return result
 
 
@@ -152,7 +157,7 @@ def verify_entries(table, block_size, lut, row, start, verify_len, total, pool, 
     else:
         slot, prev = paged_entries(table, block_size, row, start, verify_len, position)
     check_translatable(lut, slot, prev)  # an entry's slot, then its predecessor
-    return (translate(slot, lut), position, translate(prev, lut),
+    return (lookup(slot, lut), position, lookup(prev, lut),
             expected_tokens(pool, valid_lens, batch_row, table_row, position, offset))
 
 
