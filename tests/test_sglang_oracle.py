@@ -559,3 +559,12 @@ def test_without_torch_the_oracle_is_unavailable(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     with pytest.raises(sglang_oracle.Unavailable, match="torch is not installed"):
         sglang_oracle.oracle()
+
+
+def test_the_readme_names_the_version_and_scenario_count_checked():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    assert f"SGLang {sglang_oracle.DEFAULT_VERSION}'s published" in readme
+    assert f"sglang=={sglang_oracle.DEFAULT_VERSION}" in readme
+    assert f"on {SCENARIOS:,} seeded engine scenarios" in readme
