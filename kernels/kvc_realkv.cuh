@@ -1,6 +1,8 @@
 // Real-KV fingerprint (docs/format.md §5), the same rules as kvcanary/reference/realkv.py:
 //   fold_source(src, s)  fold each 8-byte little-endian word of the slot's bytes
 //   real_kv_hash(s)      fold the per-source results in source order
+//   outside a source     kvcanary extension: a slot whose page lies past a source's rows has
+//                        no bytes to fold; it hashes to 0 and is never read
 // The descriptors are a fixed array sized by the compile-time bound, passed by value.
 #pragma once
 
@@ -24,6 +26,7 @@ struct RealKvSource {
   int64_t page_size;
   int64_t num_bytes_per_token;
   int64_t read_bytes;
+  int64_t num_rows;  // slots past num_rows * page_size lie outside the source
 };
 
 // num_sources is 0 when the launch does not hash (mode NONE or no sources): the
@@ -34,8 +37,16 @@ struct RealKvSources {
   int32_t mode;
 };
 
-// Leading bytes of slot `slot` in `source`; slot is already checked against the
-// buffer and the host checked that every source holds at least num_slots slots.
+// Whether every source holds slot `slot` (>= 0): true without hashing, where no source is read.
+KVC_DEVICE bool slot_in_sources(const RealKvSources& sources, int64_t slot) {
+  const int n = sources.num_sources < kMaxSources ? sources.num_sources : kMaxSources;
+  for (int i = 0; i < n; ++i) {
+    if (slot / sources.src[i].page_size >= sources.src[i].num_rows) return false;
+  }
+  return true;
+}
+
+// Leading bytes of slot `slot` in `source`; callers check slot_in_sources first.
 KVC_DEVICE const uint8_t* slot_bytes(const RealKvSource& source, int64_t slot) {
   return source.ptr + (slot / source.page_size) * source.row_stride_bytes +
          (slot % source.page_size) * source.num_bytes_per_token;
@@ -74,9 +85,11 @@ KVC_DEVICE int64_t effective_read_bytes(const RealKvSource& source, int32_t mode
   return source.read_bytes;
 }
 
-// 0 when nothing is hashed; otherwise acc = splitmix64(acc ^ fold_source) per source.
+// 0 when nothing is hashed or the slot lies outside a source; otherwise
+// acc = splitmix64(acc ^ fold_source) per source.
 KVC_DEVICE uint64_t real_kv_hash(const RealKvSources& sources, int64_t slot) {
   if (sources.mode == static_cast<int32_t>(RealKvHashMode::kNone)) return 0;
+  if (!slot_in_sources(sources, slot)) return 0;
   uint64_t acc = 0;
   const int n = sources.num_sources < kMaxSources ? sources.num_sources : kMaxSources;
   for (int i = 0; i < n; ++i) {

@@ -4,7 +4,8 @@
 //                    predecessor, the stored prev_hash itself when prev == 0 (unreachable)
 //   check bits       chain / token / position / real-KV, ORed
 //   out of range     kvcanary extension: a slot or predecessor outside the buffer is
-//                    reported as SLOT_OUT_OF_RANGE and never read
+//                    reported as SLOT_OUT_OF_RANGE and never read; a slot outside a real-KV
+//                    source is reported too, its other checks run, its bytes are never read
 // Persistent grid-stride loop; the host sizes the grid from the multiprocessor count.
 #include "kvc_realkv.cuh"
 
@@ -62,6 +63,7 @@ KVC_DEVICE void verify_entry(const uint8_t* canary_buf, int64_t stride, int64_t 
   bool chain_checked, prev_out;
   const uint64_t chain =
       expected_chain(canary_buf, stride, num_slots, prev, rec.prev_hash, &chain_checked, &prev_out);
+  const bool source_out = !slot_in_sources(sources, slot);
   const int64_t exp_rkv = static_cast<int64_t>(real_kv_hash(sources, slot));
 
   int64_t bits = 0;
@@ -70,12 +72,13 @@ KVC_DEVICE void verify_entry(const uint8_t* canary_buf, int64_t stride, int64_t 
   if (exp_tok != kExpectedTokenUnknown && rec.token != exp_tok)
     bits |= bit(FailReason::kVerifyTokenMismatch);
   if (rec.position != exp_pos) bits |= bit(FailReason::kVerifyPositionMismatch);
-  if (rec.real_kv_hash != exp_rkv) bits |= bit(FailReason::kVerifyRealKvHashMismatch);
-  if (prev_out) bits |= bit(FailReason::kSlotOutOfRange);
+  if (!source_out && rec.real_kv_hash != exp_rkv)
+    bits |= bit(FailReason::kVerifyRealKvHashMismatch);
+  if (prev_out || source_out) bits |= bit(FailReason::kSlotOutOfRange);
   if (bits != 0) {
     // position is the stored one; expected_aux the expected chain (or the bad index).
     append_violation(ring, kernel_kind, slot, rec.position, rec.token, exp_tok, rec.prev_hash,
-                     prev_out ? prev : static_cast<int64_t>(chain), bits);
+                     prev_out ? prev : source_out ? slot : static_cast<int64_t>(chain), bits);
   }
 }
 

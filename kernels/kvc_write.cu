@@ -7,9 +7,11 @@
 //   store          (token, position, running hash, real-KV hash); then the running hash
 //                  advances over the actual token and position
 //   out of range   kvcanary extension: a slot or seed outside the buffer, or a request whose
-//                  range leaves the token arrays, is reported as SLOT_OUT_OF_RANGE, never touched
-//   conflict       kvcanary extension: writes of one launch sharing a slot; the last one in
-//                  (request, entry) order keeps the slot, every other reports WRITE_SLOT_CONFLICT
+//                  range leaves the token arrays, is reported as SLOT_OUT_OF_RANGE, never touched;
+//                  so is a slot outside a real-KV source, stored with real-KV hash 0
+//   conflict       writes of one launch sharing a slot: the last one in (request, entry) order
+//                  keeps the slot; kvcanary extension: every other reports WRITE_SLOT_CONFLICT,
+//                  except on padding slot 0 and with the context's extensions off
 //
 // Threads of a launch are not ordered, so the result must not depend on which runs first.
 // Four launches, each one complete before the next starts:
@@ -96,7 +98,9 @@ struct Seed {
 KVC_DEVICE int64_t write_request(uint8_t* canary_buf, int64_t stride, int64_t num_slots,
                                  const WriteBatch& b, int64_t r, int64_t start, int64_t end,
                                  const Seed& seed, const WriteInputs& in,
-                                 bool position_assert_flag, int64_t kernel_kind, const Ring& ring) {
+                                 bool position_assert_flag, bool report_conflicts,
+                                 const RealKvSources& sources, int64_t kernel_kind,
+                                 const Ring& ring) {
   const int64_t oor = bit(FailReason::kSlotOutOfRange);
   uint64_t running = chain_head();
   bool do_pos_assert = false;
@@ -134,6 +138,9 @@ KVC_DEVICE int64_t write_request(uint8_t* canary_buf, int64_t stride, int64_t nu
     if (slot >= num_slots) {
       append_violation(ring, kernel_kind, slot, pos, tok, tok, prev_hash, slot, oor);
     } else {
+      if (!slot_in_sources(sources, slot)) {  // stored, with real-KV hash 0
+        append_violation(ring, kernel_kind, slot, pos, tok, tok, prev_hash, slot, oor);
+      }
       const unsigned long long claim =
           static_cast<unsigned long long>(*claim_word(canary_buf, stride, slot));
       if (claim == write_id(b, r, i)) {
@@ -141,7 +148,8 @@ KVC_DEVICE int64_t write_request(uint8_t* canary_buf, int64_t stride, int64_t nu
         f[kCanaryFieldToken] = tok;
         f[kCanaryFieldPosition] = pos;
         f[kCanaryFieldPrevHash] = prev_hash;
-      } else {  // a later write of this launch keeps the slot
+      } else if (report_conflicts && slot != kTokenToKvSlotPadding) {
+        // a later write of this launch keeps the slot
         const int64_t keeper = static_cast<int64_t>((claim - 1ULL) %
                                                     static_cast<unsigned long long>(b.num_tokens));
         append_violation(ring, kernel_kind, slot, pos, tok, in.input_ids[keeper], prev_hash,
@@ -207,8 +215,9 @@ extern "C" __global__ void kvc_write(
     const int64_t* __restrict__ expected_input_positions, int64_t kernel_kind,
     int64_t* __restrict__ violation_ring, int64_t ring_capacity, int32_t* violation_write_index,
     int64_t* __restrict__ slot_run_counter, int64_t* __restrict__ kernel_run_counter,
-    const int32_t* __restrict__ enable_chain_position_assert,
-    const int64_t* __restrict__ seed_links, const int64_t* __restrict__ seed_positions) {
+    const int32_t* __restrict__ enable_chain_position_assert, int32_t report_conflicts,
+    const int64_t* __restrict__ seed_links, const int64_t* __restrict__ seed_positions,
+    kvc::RealKvSources sources) {
   using namespace kvc;
   const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
                      num_tokens};
@@ -228,7 +237,8 @@ extern "C" __global__ void kvc_write(
   const WriteInputs in{input_ids, positions, expected_input_tokens, expected_input_positions};
   const int64_t written =
       write_request(canary_buf, slot_stride_bytes, num_slots, b, r, start, end, seed, in,
-                    enable_chain_position_assert[0] != 0, kernel_kind, ring);
+                    enable_chain_position_assert[0] != 0, report_conflicts != 0, sources,
+                    kernel_kind, ring);
   if (written != 0) add_counter(slot_run_counter, written);
 }
 

@@ -280,6 +280,9 @@ def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
         elif s < 0 or s >= num_slots:
             causes.append(f"the table entry points outside the canary buffer (slot {s}, the "
                           f"buffer has {num_slots} slots): a corrupt or stale {table} entry")
+        elif v.expected_aux == s:
+            causes.append(f"slot {s} lies past the rows of a real-KV source, so its KV bytes "
+                          "cannot be checked: the source is smaller than the canary buffer")
         else:
             causes.append(f"the predecessor entry (position {position - 1}) points outside the "
                           f"canary buffer (slot {v.expected_aux})")

@@ -734,7 +734,7 @@ def _load_real_kv(c: _Checker, dump: Dump) -> None:
         try:  # (a Fortran-order file is read in C order: rows must be runs of bytes)
             source = RealKvSource(np.ascontiguousarray(tensor), **layout)
             if dump.real_kv_hash_mode != RealKvHashMode.NONE:
-                source.check_fits(dump.num_slots, key)
+                source.check_row_width()
         except ValueError as exc:
             c.fail(key, str(exc).removeprefix("kv-canary: "))
         sources.append(source.tensor)

@@ -116,20 +116,15 @@ class RealKvSource:
             return REAL_KV_PARTIAL_READ_BYTES
         return self.read_bytes
 
-    def check_fits(self, num_slots: int, name: str) -> None:
-        """Every one of ``num_slots`` canary slots has its bytes here (checked when hashing)."""
+    def check_row_width(self) -> None:
+        """Each row holds its ``page_size`` slots (checked when hashing). A source may hold
+        fewer slots than the canary buffer: a slot past its rows is reported, never read."""
         min_row_bytes = self.page_size * self.num_bytes_per_token
         if self.row_bytes < min_row_bytes:
             raise ValueError(
                 "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is "
                 f"{self.row_bytes} bytes but page_size={self.page_size} x "
                 f"num_bytes_per_token={self.num_bytes_per_token} needs {min_row_bytes}"
-            )
-        if self.num_slots < num_slots:
-            raise ValueError(
-                f"kv-canary: {name} holds {self.num_slots} slots "
-                f"({self.tensor.shape[0]} rows x page_size {self.page_size}) but "
-                f"canary_buf has {num_slots}; every canary slot needs its real KV bytes"
             )
 
 
@@ -382,7 +377,20 @@ def to_host(array) -> np.ndarray:
 
 
 class CanaryContext:
-    """Everything a write or verify launch needs besides its plan (docs/format.md §6)."""
+    """Everything a write or verify launch needs besides its plan (docs/format.md §6).
+
+    ``extensions=False`` turns kvcanary's launch-time extension rows off (today the write's
+    ``WRITE_SLOT_CONFLICT``), for upstream's bytes exactly, as ``audit --compat`` does for
+    the audit. ``SLOT_OUT_OF_RANGE`` stays on either way: the alternative is a read or write
+    outside an array (docs/extensions.md).
+
+    Example::
+
+        ctx = CanaryContext(np.zeros((1024, 32), np.uint8), kernel_kind=LaunchTag.HEAD_K_FULL,
+                            violation_log=ViolationLog.allocate(64),
+                            slot_run_counter=np.zeros(1, np.int64),
+                            kernel_run_counter=np.zeros(1, np.int64), extensions=False)
+    """
 
     def __init__(
         self,
@@ -396,6 +404,7 @@ class CanaryContext:
         real_kv_hash_mode=RealKvHashMode.NONE,
         enable_chain_position_assert=None,
         max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
+        extensions: bool = True,
     ):
         self.canary_buf = A.as_array(canary_buf, "canary_buf")
         self.kernel_kind = A.check_int64(kernel_kind, "kernel_kind")
@@ -411,6 +420,7 @@ class CanaryContext:
             enable_chain_position_assert, "enable_chain_position_assert"
         )
         self.max_real_kv_sources = check_source_bound(max_real_kv_sources)
+        self.extensions = bool(extensions)
 
     @property
     def num_slots(self) -> int:
@@ -468,7 +478,7 @@ class CanaryContext:
                     f"is a {library} array; pass arrays of one library"
                 )
             if self.hashing:  # NONE mode never dereferences a source
-                source.check_fits(self.num_slots, name)
+                source.check_row_width()
         self._passed = state
         log = self.violation_log
         self._library = A.common_library(

@@ -75,7 +75,8 @@ def source_slot_bytes(source, slot: int) -> np.ndarray:
 def make_context(num_slots: int = 32, ring_capacity: int = 64, sources=(),
                  mode=kc.RealKvHashMode.NONE, *, kernel_kind=kc.LaunchTag.HEAD_K_FULL,
                  canary=None, chain_position_assert: int = 1,
-                 max_real_kv_sources: int = kc.MAX_REAL_KV_SOURCES) -> kc.CanaryContext:
+                 max_real_kv_sources: int = kc.MAX_REAL_KV_SOURCES,
+                 extensions: bool = True) -> kc.CanaryContext:
     """A context on a zeroed buffer (or ``canary``) with fresh counters and log."""
     return kc.CanaryContext(
         make_canary(num_slots) if canary is None else canary,
@@ -87,6 +88,7 @@ def make_context(num_slots: int = 32, ring_capacity: int = 64, sources=(),
         real_kv_hash_mode=mode,
         enable_chain_position_assert=np.array([chain_position_assert], dtype=np.int32),
         max_real_kv_sources=max_real_kv_sources,
+        extensions=extensions,
     )
 
 

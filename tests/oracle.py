@@ -101,8 +101,13 @@ def _slot_bytes(source, slot: int, count: int) -> bytes:
     return bytes(raw[row, begin:begin + count])
 
 
+def outside_sources(sources, mode: int, slot: int) -> bool:
+    """Hashing is on and some source has no row for the slot's page."""
+    return mode != 0 and any(slot // s.page_size >= s.tensor.shape[0] for s in sources)
+
+
 def real_kv(sources, mode: int, slot: int) -> int:
-    if mode == 0 or not sources:
+    if mode == 0 or not sources or outside_sources(sources, mode, slot):
         return 0
     acc = 0
     for src in sources:
@@ -179,15 +184,18 @@ def write(state: State, ctx, plan, input_ids, positions, out_cache_loc,
                     state.pending.append([kind, slot, pos, tok, tok, running, running_pos + 1,
                                           W_POSITION])
                 running_pos = pos
-            if slot >= n_slots:
+            if slot >= n_slots or outside_sources(sources, mode, slot):
                 state.pending.append([kind, slot, pos, tok, tok, running, slot, OUT_OF_RANGE])
+            if slot >= n_slots:
+                pass  # never stored
             elif (keeper_request[slot], keeper[slot]) == (r, i):
                 state.records[slot] = [tok, pos, s64(running), real_kv(sources, mode, slot)]
                 written += 1
             else:
                 k = keeper[slot]
-                state.pending.append([kind, slot, pos, tok, ids[k], running, pos_[k],
-                                      SLOT_CONFLICT])
+                if slot != 0 and ctx.extensions:  # padding slot 0 takes many writes
+                    state.pending.append([kind, slot, pos, tok, ids[k], running, pos_[k],
+                                          SLOT_CONFLICT])
                 written += 1
             running = mix3(running, tok, pos)
     state.slot_counter += written
@@ -236,7 +244,11 @@ def verify(state: State, ctx, plan, check_expected_token: bool) -> None:
             bits |= POSITION
         expected_rkv = real_kv(ctx.real_kv_sources, int(ctx.real_kv_hash_mode), slot) \
             if hashing else 0
-        if rkv != expected_rkv:
+        if hashing and outside_sources(ctx.real_kv_sources, int(ctx.real_kv_hash_mode), slot):
+            bits |= OUT_OF_RANGE  # no bytes to compare against
+            if prev < n_slots:  # an out-of-range predecessor keeps its index
+                aux = slot
+        elif rkv != expected_rkv:
             bits |= REAL_KV
         if bits:
             state.pending.append([kind, slot, pos, tok, exp_tok, prev_hash, aux, bits])

@@ -211,6 +211,22 @@ def test_likely_cause_of_a_broken_chain_head():
     assert "chain head" in likely_cause(v, position=0, prev_slot=-1, num_slots=8)
 
 
+def test_likely_cause_of_a_slot_outside_a_real_kv_source():
+    v = kc.Violation(2, 5, 0, 1, -1, 0, 5, int(FailReason.SLOT_OUT_OF_RANGE))
+    assert "past the rows of a real-KV source" in likely_cause(v, position=0, prev_slot=-1,
+                                                               num_slots=8)
+
+
+def test_a_real_kv_source_smaller_than_the_buffer_reports_the_slots_past_it(tmp_path):
+    arrays = build()
+    arrays["real_kv_0"] = arrays["real_kv_0"][:24]  # row 3's slots 30..33 lie past it
+    result = run(tmp_path, arrays)
+    assert sorted(f.violation.slot_idx for f in result.findings) == [30, 31, 32, 33]
+    for f in result.findings:
+        assert f.violation.fail_reason_bits == int(FailReason.SLOT_OUT_OF_RANGE)
+        assert f.request_row == 3 and "past the rows of a real-KV source" in f.cause
+
+
 def test_sweep_chunks_keep_indices(tmp_path):
     arrays = build()
     arrays.update(sweep_slot_indices=np.array([5, 6, 7, 8, 9, 10], np.int64),

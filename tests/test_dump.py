@@ -226,8 +226,6 @@ def test_inconsistent_optional_groups(tmp_path):
          "key real_kv_hash_mode", "missing"),
         (dict(real_kv_0=np.zeros((8, 32), np.uint8), real_kv_params=np.array([[1, 32, 32]]),
               real_kv_hash_mode="most"), "key real_kv_hash_mode", "must be none, partial or all"),
-        (dict(real_kv_0=np.zeros((4, 32), np.uint8), real_kv_params=np.array([[1, 32, 32]]),
-              real_kv_hash_mode="all"), "key real_kv_0", "holds 4 slots"),
         (dict(real_kv_0=np.zeros((8, 32), np.uint8), real_kv_params=np.array([[1, 24, 16]]),
               real_kv_hash_mode="all"), "key real_kv_params[0]", "multiple of 16"),
         (dict(swa_window_size=4), "key full_to_swa_index_mapping", "missing"),

@@ -169,3 +169,45 @@ def test_swa_lut_index_beyond_length_raises_in_the_reference():
                                          r"full_to_swa_index_mapping length 9$"):
         run_plan([1], [3], [1], table, swa_window_size=2,
                  full_to_swa_index_mapping=np.arange(9, dtype=np.int64))
+
+
+# ------------------------------------------------------------------ which slot a LUT error names
+# Upstream gathers entry by entry (an entry's slot, then its predecessor), every verify
+# entry before any seed, and gathers the entries even when the plan overflows.
+
+def _lut_error(req_pool_indices, prefix_lens, extend_seq_lens, table, window, lut_len,
+               **kwargs):
+    with pytest.raises(ValueError) as info:
+        run_plan(req_pool_indices, prefix_lens, extend_seq_lens, table,
+                 swa_window_size=window, full_to_swa_index_mapping=np.arange(lut_len),
+                 **kwargs)
+    return str(info.value)
+
+
+def _message(slot, lut_len=20):
+    return f"kv-canary: SWA slot {slot} is outside full_to_swa_index_mapping length {lut_len}"
+
+
+def test_lut_error_names_a_window_head_predecessor_before_a_later_slot():
+    table = np.zeros((2, 8), np.int32)
+    table[1, :6] = [1, 2, 50, 3, 60, 4]  # window [3, 6): the head's predecessor is 50
+    assert _lut_error([1], [6], [0], table, 3, 20) == _message(50)
+
+
+def test_lut_error_names_the_first_request_before_a_later_one():
+    table = np.zeros((3, 8), np.int32)
+    table[1, :4] = [1, 70, 2, 3]  # request 0: its window head's predecessor is 70
+    table[2, :4] = [80, 4, 5, 6]  # request 1: its first slot is 80
+    assert _lut_error([1, 2], [4, 2], [0, 0], table, 2, 20) == _message(70)
+
+
+def test_lut_error_names_a_verify_entry_before_a_seed_when_the_plan_overflows():
+    table = np.zeros((2, 8), np.int32)
+    table[1, :3] = [1, 85, 90]  # entries 1, 85, 90; the seed (position 2) is 90
+    assert _lut_error([1], [3], [1], table, 8, 20, verify_capacity=2) == _message(85)
+
+
+def test_lut_error_on_an_overflowed_plan_skips_positions_past_the_table():
+    table = np.zeros((2, 4), np.int32)
+    table[1] = [1, 2, 3, 30]  # prefix 9 runs past the table: the entries beyond never raise
+    assert _lut_error([1], [9], [1], table, 16, 20, verify_capacity=2) == _message(30)

@@ -133,3 +133,14 @@ def test_expected_token_pool_outside_rows_reads_nothing():
             req_to_verify_expected_tokens_valid_lens=i64([100, 100]),
             kv_token_id_vs_position_offset=1)
     assert verify_plan.verify_expected_tokens[5:9].tolist() == [-1] * 4
+
+
+# Real-KV sources smaller than the canary buffer: a slot past a source is reported, and
+# under the sanitizer build any read past the source's rows aborts the run.
+from test_reference_verify import (  # noqa: E402,F401
+    test_small_sources_are_never_read_without_hashing,
+    test_sources_smaller_than_the_buffer_hash_the_slots_inside,
+    test_verify_predecessor_out_of_range_names_the_predecessor_over_the_source,
+    test_verify_slot_outside_a_source_runs_the_other_checks,
+    test_write_slot_outside_a_source_is_stored_with_hash_zero_and_reported,
+)

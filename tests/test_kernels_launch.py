@@ -41,9 +41,10 @@ def test_pack_sources_fields_in_order():
         entry = packed["src"][i]
         assert entry["ptr"] == source.tensor.ctypes.data
         assert entry["row_stride_bytes"] == source.tensor.strides[0] == 2 * 32 + 16
-        assert (entry["page_size"], entry["num_bytes_per_token"], entry["read_bytes"]) == (2, 32, 16)
+        assert (entry["page_size"], entry["num_bytes_per_token"], entry["read_bytes"],
+                entry["num_rows"]) == (2, 32, 16, 8)
     assert not packed["src"][3:].tobytes().strip(b"\0")
-    assert len(packed.tobytes()) == 8 * 40 + 8
+    assert len(packed.tobytes()) == 8 * 48 + 8
 
 
 def test_pack_sources_without_hashing_passes_nothing():

@@ -33,12 +33,12 @@ def test_plan_that_raises_on_a_verify_slot_changes_nothing():
     _assert_all_77(verify_plan, write_plan)
 
 
-def test_plan_that_raises_on_a_seed_changes_nothing():
-    """The verify entries overflow the capacity (so none is translated) and only the
-    seed is outside the LUT: the overflow rule's enable = 0 must not be written."""
+def test_overflowed_plan_that_raises_changes_nothing():
+    """The verify entries overflow the capacity, and are still checked against the LUT as
+    upstream checks them: the overflow rule's enable = 0 must not be written."""
     verify_plan, write_plan = _filled_plans(1)
     lut = np.arange(8, dtype=np.int64)
-    with pytest.raises(ValueError, match="SWA slot 12 is outside full_to_swa_index_mapping"):
+    with pytest.raises(ValueError, match="SWA slot 8 is outside full_to_swa_index_mapping"):
         kc.plan(req_pool_indices=i64([1]), prefix_lens=i64([5]), extend_seq_lens=i64([1]),
                 req_to_token=linear_req_to_token(2, 8), verify_plan=verify_plan,
                 write_plan=write_plan, swa_window_size=100, full_to_swa_index_mapping=lut)

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from builders import (H0, counters, fields, make_context, make_sources, make_verify_plan,
-                      ring_bits, ring_rows, signed, source_slot_bytes, stamp, write_tokens)
+import oracle
+from builders import (H0, counters, fields, i64, make_context, make_sources, make_verify_plan,
+                      make_write_plan, ring_bits, ring_rows, signed, source_slot_bytes, stamp,
+                      write_tokens)
 
 F = kc.FailReason
 CHAIN, POSITION, REAL_KV, TOKEN = (int(F.VERIFY_CHAIN_HASH_MISMATCH),
@@ -13,6 +15,7 @@ CHAIN, POSITION, REAL_KV, TOKEN = (int(F.VERIFY_CHAIN_HASH_MISMATCH),
                                    int(F.VERIFY_REAL_KV_HASH_MISMATCH),
                                    int(F.VERIFY_TOKEN_MISMATCH))
 ALL, PARTIAL, NONE = kc.RealKvHashMode.ALL, kc.RealKvHashMode.PARTIAL, kc.RealKvHashMode.NONE
+OOR = int(F.SLOT_OUT_OF_RANGE)
 
 
 def five_step_chain(ctx, tokens=(11, 22, 33, 44, 55)):
@@ -438,3 +441,69 @@ def test_token_and_position_both_wrong():
     ctx = _token_ctx()
     kc.verify(ctx, make_verify_plan([1], [5], [-1], [123]), check_expected_token=True)
     assert ring_rows(ctx) == [(0, 1, 0, 42, 123, signed(H0), signed(H0), TOKEN | POSITION)]
+
+
+# ------------------------------------------------------------------ real-KV sources smaller than the buffer
+
+
+def _small_sources(page_size=1):
+    """A 16-slot source, then one of 8 slots (``8 // page_size`` rows): random bytes."""
+    return [make_sources(1, 16, fill="random", seed=3)[0],
+            make_sources(1, 8, fill="random", seed=4, page_size=page_size)[0]]
+
+
+@pytest.mark.parametrize("mode", [ALL, PARTIAL])
+def test_sources_smaller_than_the_buffer_hash_the_slots_inside(mode):
+    # Upstream's multi-source fold-order test: 8-slot sources under a 16-slot canary.
+    sources = make_sources(2, 8, fill="random", seed=5)
+    ctx = make_context(num_slots=16, sources=sources, mode=mode)
+    slots = list(range(1, 8))
+    kc.write(ctx, make_write_plan([7], [-1]), input_ids=i64(range(7)), positions=i64(range(7)),
+             out_cache_loc=i64(slots))
+    assert [int(v) for v in fields(ctx.canary_buf)[slots, 3]] == [
+        oracle.real_kv(sources, int(mode), s) for s in slots]
+    kc.verify(ctx, make_verify_plan(slots, list(range(7)), [-1] + slots[:-1]))
+    assert ring_rows(ctx) == []
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_write_slot_outside_a_source_is_stored_with_hash_zero_and_reported(page_size):
+    sources = _small_sources(page_size)
+    ctx = make_context(num_slots=16, sources=sources, mode=ALL)
+    kc.write(ctx, make_write_plan([3], [-1]), input_ids=i64([21, 22, 23]),
+             positions=i64([0, 1, 2]), out_cache_loc=i64([7, 8, 12]))
+    h1 = kc.splitmix64_mix3(H0, 21, 0)
+    h2 = kc.splitmix64_mix3(h1, 22, 1)
+    assert [int(v) for v in fields(ctx.canary_buf)[7]] == [
+        21, 0, signed(H0), oracle.real_kv(sources, int(ALL), 7)]
+    assert [int(v) for v in fields(ctx.canary_buf)[8]] == [22, 1, signed(h1), 0]
+    assert [int(v) for v in fields(ctx.canary_buf)[12]] == [23, 2, signed(h2), 0]
+    assert ring_rows(ctx) == [(0, 8, 1, 22, 22, signed(h1), 8, OOR),
+                              (0, 12, 2, 23, 23, signed(h2), 12, OOR)]
+    assert counters(ctx) == (2, 3, 1)
+
+
+def test_verify_slot_outside_a_source_runs_the_other_checks():
+    sources = _small_sources()
+    ctx = make_context(num_slots=16, sources=sources, mode=ALL)
+    stamp(ctx.canary_buf, 9, 5, 4, 0x1234, 77)  # the real-KV field is never compared
+    stamp(ctx.canary_buf, 10, 6, 0, H0, 99)
+    stamp(ctx.canary_buf, 3, 7, 0, H0, oracle.real_kv(sources, int(ALL), 3))
+    kc.verify(ctx, make_verify_plan([9, 10, 3], [3, 0, 0], [-1, -1, -1]))
+    assert ring_rows(ctx) == [(0, 9, 4, 5, -1, 0x1234, 9, CHAIN | POSITION | OOR),
+                              (0, 10, 0, 6, -1, signed(H0), 10, OOR)]
+    assert counters(ctx) == (2, 3, 1)
+
+
+def test_verify_predecessor_out_of_range_names_the_predecessor_over_the_source():
+    ctx = make_context(num_slots=16, sources=_small_sources(), mode=ALL)
+    stamp(ctx.canary_buf, 9, 5, 4, 0x1234)
+    kc.verify(ctx, make_verify_plan([9], [4], [40]))
+    assert ring_rows(ctx) == [(0, 9, 4, 5, -1, 0x1234, 40, OOR)]
+
+
+def test_small_sources_are_never_read_without_hashing():
+    ctx = make_context(num_slots=16, sources=_small_sources(), mode=NONE)
+    write_tokens(ctx, [12], [5], [0])
+    kc.verify(ctx, make_verify_plan([12], [0], [-1]))
+    assert ring_rows(ctx) == []

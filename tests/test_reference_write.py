@@ -346,3 +346,42 @@ def test_boundary_values_stored_verbatim(token, position):
     assert h == H0
     write_tokens(ctx, [2], [token], [position + 1], seed=1)
     assert prev_hashes(ctx, [2]) == [kc.splitmix64_mix3(H0, token, position)]
+
+
+def test_padding_slot_zero_written_repeatedly_is_not_a_conflict():
+    # Padded tokens all write their dummy KV to slot 0: upstream's example launch leaves
+    # the ring empty, and slot 0 keeps the last padded token's record.
+    ctx = make_context()
+    plan = make_write_plan([4], [-1])
+    kc.write(ctx, plan, input_ids=i64([11, 12, 13, 14]), positions=i64([0, 1, 2, 3]),
+             out_cache_loc=i64([3, 0, 0, 6]))
+    assert ring_rows(ctx) == []
+    running = kc.splitmix64_mix3(kc.splitmix64_mix3(H0, 11, 0), 12, 1)
+    assert [int(v) for v in fields(ctx.canary_buf)[0, :3]] == [13, 2, signed(running)]
+    assert counters(ctx) == (0, 4, 1)
+
+
+def test_padding_slot_zero_across_requests_keeps_the_last_request():
+    ctx = make_context()
+    plan = make_write_plan([2, 2], [-1, -1])
+    kc.write(ctx, plan, input_ids=i64([1, 2, 3, 4]), positions=i64([0, 0, 0, 0]),
+             out_cache_loc=i64([0, 5, 0, 0]))
+    assert ring_rows(ctx) == []
+    assert [int(v) for v in fields(ctx.canary_buf)[0, :3]] == [
+        4, 0, signed(kc.splitmix64_mix3(H0, 3, 0))]
+
+
+def test_extensions_off_drops_the_conflict_row_and_keeps_the_last_writer():
+    ctx = make_context(extensions=False)
+    write_tokens(ctx, [3, 3], [1, 2], [0, 1])
+    assert ring_rows(ctx) == []
+    assert [int(v) for v in fields(ctx.canary_buf)[3, :3]] == [
+        2, 1, signed(kc.splitmix64_mix3(H0, 1, 0))]
+    assert counters(ctx) == (0, 2, 1)
+
+
+def test_extensions_off_still_reports_out_of_range():
+    ctx = make_context(num_slots=8, extensions=False)
+    write_tokens(ctx, [3, 8], [1, 2], [0, 1])
+    assert ring_rows(ctx) == [(0, 8, 1, 2, 2, signed(kc.splitmix64_mix3(H0, 1, 0)), 8,
+                               int(F.SLOT_OUT_OF_RANGE))]

@@ -53,8 +53,9 @@ CHANGES = {  # name: change to (context, verify plan, write plan)
     "log replaced": lambda c, v, w: setattr(c, "violation_log", kc.ViolationLog(
         np.zeros((4, 7), np.int64), np.zeros(1, np.int32))),
     "source layout changed": lambda c, v, w: setattr(c.real_kv_sources[1], "page_size", 2),
-    "source replaced": lambda c, v, w: setattr(c, "real_kv_sources", (
-        c.real_kv_sources[0], make_sources(1, 8)[0])),
+    "source replaced": lambda c, v, w: setattr(c, "real_kv_sources", (  # rows too narrow
+        c.real_kv_sources[0], kc.RealKvSource(np.zeros((32, 16), np.uint8), page_size=2,
+                                              num_bytes_per_token=16, read_bytes=16))),
     "bound lowered": lambda c, v, w: setattr(c, "max_real_kv_sources", 1),
 }
 

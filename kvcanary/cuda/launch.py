@@ -95,10 +95,11 @@ def kernel_source(kernel: str) -> str:
 @functools.lru_cache(maxsize=None)
 def sources_dtype(max_real_kv_sources: int) -> np.dtype:
     """numpy layout of ``struct RealKvSources`` (kernels/kvc_realkv.cuh) for bound N:
-    N descriptors of five 8-byte fields, then two int32."""
+    N descriptors of six 8-byte fields, then two int32."""
     bound = check_bound(max_real_kv_sources)
     source = np.dtype([("ptr", "<u8"), ("row_stride_bytes", "<i8"), ("page_size", "<i8"),
-                       ("num_bytes_per_token", "<i8"), ("read_bytes", "<i8")], align=True)
+                       ("num_bytes_per_token", "<i8"), ("read_bytes", "<i8"),
+                       ("num_rows", "<i8")], align=True)
     return np.dtype([("src", source, (bound,)), ("num_sources", "<i4"), ("mode", "<i4")],
                     align=True)
 
@@ -123,7 +124,8 @@ def pack_sources(context) -> np.ndarray:
     if not context.hashing:
         return _packed_sources(context.max_real_kv_sources, int(RealKvHashMode.NONE), ())
     descriptors = tuple((array_pointer(s.tensor), s.row_stride_bytes, s.page_size,
-                         s.num_bytes_per_token, s.read_bytes) for s in sources)
+                         s.num_bytes_per_token, s.read_bytes, int(s.tensor.shape[0]))
+                        for s in sources)
     return _packed_sources(context.max_real_kv_sources, int(context.real_kv_hash_mode),
                            descriptors)
 
@@ -240,8 +242,9 @@ def write_args(context, plan, *, input_ids, positions, out_cache_loc,
         _i64(context.kernel_kind),
         *_ring_args(context),
         context.slot_run_counter, context.kernel_run_counter,
-        context.enable_chain_position_assert,
+        context.enable_chain_position_assert, _i32(1 if context.extensions else 0),
         plan.seed_links_scratch, plan.seed_positions_scratch,
+        pack_sources(context),
     ]
 
 

@@ -25,6 +25,9 @@ import numpy as np
 
 from ..consts import EXPECTED_TOKEN_UNKNOWN, PLAN_SLOT_OUT_OF_TABLE, REQ_POOL_IDX_PADDING
 
+# Verify entries per step when an overflowed plan's entries are checked against the LUT.
+_CHECK_ENTRIES = 1 << 16
+
 
 def window_start(prefix_lens: np.ndarray, swa_window_size: int) -> np.ndarray:
     if swa_window_size > 0:
@@ -60,7 +63,7 @@ def block_slots(blocks: np.ndarray, offsets: np.ndarray, block_size: int) -> np.
     return slots
 
 
-def paged_entries(block_table, block_size, row, start, verify_len, position, lut) -> tuple:
+def paged_entries(block_table, block_size, row, start, verify_len, position) -> tuple:
     """Slots and predecessors of the verify entries from a block table, a block at a time:
     a row's entries are the consecutive positions ``[start, start + verify_len)``, so each
     block is read once, and each predecessor is the slot of the entry before it (the row's
@@ -83,32 +86,46 @@ def paged_entries(block_table, block_size, row, start, verify_len, position, lut
     if special.any():
         keep = np.repeat(special, entries_per_block)
         slot[keep] = expanded[keep]
-    slot = translate(slot, lut)
     heads = np.cumsum(count) - count
     head_prev = np.full(heads.shape, -1, dtype=np.int64)
     has_prev = first > 0
-    head_prev[has_prev] = translate(
-        table_slots(block_table, table_row[has_prev], first[has_prev] - 1, block_size), lut)
+    head_prev[has_prev] = table_slots(block_table, table_row[has_prev], first[has_prev] - 1,
+                                      block_size)
     prev = np.empty_like(slot)
     prev[1:] = slot[:-1]
     prev[heads] = head_prev
     return slot, prev
 
 
+def check_translatable(lut, *columns: np.ndarray) -> None:
+    """Upstream's error for the first slot outside the SWA LUT, in upstream's order: entry
+    by entry, and inside an entry the columns in the order given."""
+    if lut is None:
+        return
+    lut_len = lut.shape[0]
+    beyond = np.stack([(c >= lut_len) & (c != PLAN_SLOT_OUT_OF_TABLE) for c in columns], axis=-1)
+    first = np.flatnonzero(beyond.ravel())
+    if first.size:
+        entry, column = divmod(int(first[0]), len(columns))
+        raise ValueError(
+            f"kv-canary: SWA slot {int(columns[column][entry])} is outside "
+            f"full_to_swa_index_mapping length {lut_len}"
+        )
+
+
 def translate(slots: np.ndarray, lut) -> np.ndarray:
     """SWA translation; negatives and the out-of-table marker pass through unchanged."""
+    check_translatable(lut, slots)
+    return lookup(slots, lut)
+
+
+def lookup(slots: np.ndarray, lut) -> np.ndarray:
+    """SWA translation of slots already checked against the LUT's length."""
     if lut is None:
         return slots
-    lut_len = lut.shape[0]
-    lookup = (slots >= 0) & (slots != PLAN_SLOT_OUT_OF_TABLE)
-    beyond = lookup & (slots >= lut_len)
-    if beyond.any():
-        raise ValueError(
-            f"kv-canary: SWA slot {int(slots[beyond][0])} is outside full_to_swa_index_mapping "
-            f"length {lut_len}"
-        )
+    inside = (slots >= 0) & (slots != PLAN_SLOT_OUT_OF_TABLE)
     result = slots.copy()
-    result[lookup] = lut[slots[lookup]]
+    result[inside] = lut[slots[inside]]
     return result
 
 
@@ -133,15 +150,37 @@ def verify_entries(table, block_size, lut, row, start, verify_len, total, pool, 
     position = start[batch_row] + (np.arange(total) - offsets[batch_row])
     table_row = row[batch_row]
     if block_size == 1:
-        slot = translate(table_slots(table, table_row, position), lut)
+        slot = table_slots(table, table_row, position)
         prev = np.full(total, -1, dtype=np.int64)
         has_prev = position > 0
-        prev[has_prev] = translate(
-            table_slots(table, table_row[has_prev], position[has_prev] - 1), lut)
+        prev[has_prev] = table_slots(table, table_row[has_prev], position[has_prev] - 1)
     else:
-        slot, prev = paged_entries(table, block_size, row, start, verify_len, position, lut)
-    return slot, position, prev, expected_tokens(pool, valid_lens, batch_row, table_row,
-                                                 position, offset)
+        slot, prev = paged_entries(table, block_size, row, start, verify_len, position)
+    check_translatable(lut, slot, prev)  # an entry's slot, then its predecessor
+    return (lookup(slot, lut), position, lookup(prev, lut),
+            expected_tokens(pool, valid_lens, batch_row, table_row, position, offset))
+
+
+def check_overflowed_entries(table, block_size, lut, row, start, prefix_lens, active) -> None:
+    """Upstream gathers every verify entry even when the plan overflows, so a slot outside
+    the SWA LUT raises there too: check them, a few rows at a time, in upstream's order.
+    Only the table's own positions are read (a position past it is out of table, which
+    never raises); a row whose window starts past the table still has its predecessor."""
+    if lut is None:
+        return
+    table_positions = table.shape[1] * block_size
+    end = np.minimum(prefix_lens, table_positions)
+    length = np.where(active & (prefix_lens > start), np.maximum(1, end - start), 0)
+    rows = np.flatnonzero(length)
+    entries_before = np.concatenate(([0], np.cumsum(length[rows])))
+    begin = 0
+    while begin < rows.size:
+        stop = max(begin + 1, int(np.searchsorted(
+            entries_before, entries_before[begin] + _CHECK_ENTRIES, side="right")) - 1)
+        chunk = rows[begin:stop]
+        verify_entries(table, block_size, lut, row[chunk], start[chunk], length[chunk],
+                       int(length[chunk].sum()), None, None, 0)
+        begin = stop
 
 
 def plan_reference(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
@@ -164,10 +203,14 @@ def plan_reference(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_tok
 
     # Every translation (the step that can raise) runs before any output changes, so a
     # call that raises leaves both plans as they were.
-    entries = None if total > capacity else verify_entries(
-        req_to_token, block_size, lut, row, start, verify_len, total,
-        req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
-        kv_token_id_vs_position_offset)
+    if total > capacity:
+        entries = None
+        check_overflowed_entries(req_to_token, block_size, lut, row, start, prefix_lens, active)
+    else:
+        entries = verify_entries(
+            req_to_token, block_size, lut, row, start, verify_len, total,
+            req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+            kv_token_id_vs_position_offset)
     seeded = np.flatnonzero(active & (prefix_lens > 0) & (extend_seq_lens > 0))
     seeds = np.full(bs, -1, dtype=np.int64)
     seeds[seeded] = translate(

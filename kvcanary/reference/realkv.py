@@ -2,6 +2,8 @@
 
   fold_source(src, s)   fold each 8-byte little-endian word of the slot's effective bytes
   real_kv_hash(s)       fold the per-source results in source order
+  outside a source      kvcanary extension: a slot whose page lies past a source's rows has
+                        no bytes to fold; it hashes to 0 and is never read
 """
 
 from __future__ import annotations
@@ -43,11 +45,26 @@ def fold_source(source, slots: np.ndarray, num_bytes: int) -> np.ndarray:
     return fold_words(np.zeros(slots.shape[0], dtype=np.uint64), words)
 
 
+def outside_sources(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndarray:
+    """bool per slot: hashing is on and the slot's page lies past some source's rows."""
+    slots = np.asarray(slots, dtype=np.int64)
+    outside = np.zeros(slots.shape[0], dtype=bool)
+    if mode != RealKvHashMode.NONE:
+        for source in sources:
+            outside |= slots >= source.num_slots
+    return outside
+
+
 def real_kv_hash(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndarray:
-    """uint64 fingerprint per slot; 0 when the mode is NONE or there are no sources."""
+    """uint64 fingerprint per slot; 0 when the mode is NONE or there are no sources, and
+    for a slot outside a source (whose bytes are then not read)."""
     slots = np.asarray(slots, dtype=np.int64)
     result = np.zeros(slots.shape[0], dtype=np.uint64)
     if mode == RealKvHashMode.NONE or not sources:
+        return result
+    inside = np.flatnonzero(~outside_sources(sources, mode, slots))
+    if inside.size < slots.size:
+        result[inside] = real_kv_hash(sources, mode, slots[inside])
         return result
     for begin in range(0, slots.shape[0], CHUNK_SLOTS):
         chunk = slots[begin:begin + CHUNK_SLOTS]

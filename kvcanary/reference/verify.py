@@ -5,7 +5,8 @@ Per entry, the rules:
                    predecessor, the stored prev_hash itself when prev == 0 (unreachable)
   check bits       chain / token / position / real-KV, ORed
   out of range     kvcanary extension: a slot or predecessor outside the buffer is
-                   reported as SLOT_OUT_OF_RANGE and never read
+                   reported as SLOT_OUT_OF_RANGE and never read; a slot outside a real-KV
+                   source is reported too, its other checks run, its bytes are never read
 
 Every rule runs over all entries at once; entries that a rule must not touch (slot 0,
 out-of-range indices) read a clamped in-range record and are masked out afterwards.
@@ -17,7 +18,7 @@ import numpy as np
 
 from ..consts import EXPECTED_TOKEN_UNKNOWN, FailReason, TOKEN_TO_KV_SLOT_PADDING
 from ..hashing import CHAIN_HEAD, link_inplace
-from .realkv import real_kv_hash
+from .realkv import outside_sources, real_kv_hash
 from .ring import canary_fields, commit_rows, violation_rows
 
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
@@ -84,15 +85,16 @@ def verify_reference(context, plan, *, check_expected_token: bool) -> None:
     bits[stored_prev_hash != chain] |= _CHAIN
     bits[(expected_token != EXPECTED_TOKEN_UNKNOWN) & (stored_token != expected_token)] |= _TOKEN
     bits[stored_position != expected_position] |= _POSITION
+    source_out = outside_sources(context.real_kv_sources, context.real_kv_hash_mode, slot)
     if context.hashing:
         real_kv = np.zeros(active, dtype=np.uint64)
         hashed = np.flatnonzero(~slot_out & (slot != TOKEN_TO_KV_SLOT_PADDING))
         real_kv[hashed] = real_kv_hash(context.real_kv_sources, context.real_kv_hash_mode,
                                        slot[hashed])
-        bits[stored_real_kv != real_kv.view(np.int64)] |= _REAL_KV
+        bits[(stored_real_kv != real_kv.view(np.int64)) & ~source_out] |= _REAL_KV
     else:
         bits[stored_real_kv != 0] |= _REAL_KV
-    bits[prev_out] |= _OUT_OF_RANGE
+    bits[prev_out | source_out] |= _OUT_OF_RANGE
     bits[slot_out] = _OUT_OF_RANGE  # the record was never read: nothing else is known
     bits[slot == TOKEN_TO_KV_SLOT_PADDING] = 0  # unfilled: skipped
 
@@ -107,6 +109,7 @@ def verify_reference(context, plan, *, check_expected_token: bool) -> None:
         np.where(out, 0, stored_token[failed]),
         expected_token[failed],
         np.where(out, 0, stored_prev_hash[failed]),
-        np.where(out, slot[failed], np.where(prev_out[failed], prev[failed], chain[failed])),
+        np.where(out | (source_out[failed] & ~prev_out[failed]), slot[failed],
+                 np.where(prev_out[failed], prev[failed], chain[failed])),
         bits[failed],
     ))

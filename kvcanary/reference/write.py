@@ -8,9 +8,12 @@ Per request, the rules:
   store          (token, position, running hash, real-KV hash); then the running hash
                  advances over the actual token and position
   out of range   kvcanary extension: a slot or seed outside the buffer, or a request whose
-                 range leaves the token arrays, is reported as SLOT_OUT_OF_RANGE, never touched
-  conflict       kvcanary extension: when writes of one launch share a slot, the last one in
-                 (request, entry) order keeps it; every other is a WRITE_SLOT_CONFLICT row
+                 range leaves the token arrays, is reported as SLOT_OUT_OF_RANGE, never touched;
+                 so is a slot outside a real-KV source, stored with real-KV hash 0
+  conflict       when writes of one launch share a slot, the last one in (request, entry)
+                 order keeps it; kvcanary extension: every other is a WRITE_SLOT_CONFLICT row,
+                 except on padding slot 0 (padded tokens all write there) and with the
+                 context's extensions off
 
 Order-free: every seed is read before any record of the launch is stored, so the result
 never depends on which request runs first. The chain is serial within a request; the loop
@@ -22,9 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..consts import FailReason
+from ..consts import TOKEN_TO_KV_SLOT_PADDING, FailReason
 from ..hashing import CHAIN_HEAD, mix3_inplace
-from .realkv import real_kv_hash
+from .realkv import outside_sources, real_kv_hash
 from .ring import canary_fields, commit_rows, violation_rows
 
 _OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
@@ -93,6 +96,7 @@ class _Batch:
         self.input_ids, self.positions, self.out_cache_loc = input_ids, positions, out_cache_loc
         self.expected_tokens, self.expected_positions = expected_tokens, expected_positions
         self.position_assert = int(context.enable_chain_position_assert[0]) != 0
+        self.report_conflicts = context.extensions
 
     def entries(self, requests: np.ndarray):
         """Flat token indices of the requests' kept entries (slot >= 0), grouped by request."""
@@ -157,18 +161,22 @@ class _Batch:
                 expected[hit], _POSITION))
 
         slot_out = slot >= num_slots
-        hit = np.flatnonzero(slot_out)
+        # A slot outside the buffer is never stored; one outside a real-KV source is
+        # stored with real-KV hash 0 (its bytes are not read). Both are reported alike.
+        hit = np.flatnonzero(slot_out | outside_sources(
+            self.context.real_kv_sources, self.context.real_kv_hash_mode, slot))
         rows.add(request_id[hit], entry[hit], _RULE_SLOT, violation_rows(
             kind, slot[hit], position[hit], token[hit], token[hit], prev_hash[hit],
             slot[hit], _OUT_OF_RANGE))
 
         inside = np.flatnonzero(~slot_out)
         keeper = inside[_last_writer(slot[inside])]
-        lost = np.flatnonzero(keeper != inside)
+        lost = np.flatnonzero((keeper != inside) & (slot[inside] != TOKEN_TO_KV_SLOT_PADDING))
         hit, kept = inside[lost], keeper[lost]
-        rows.add(request_id[hit], entry[hit], _RULE_CONFLICT, violation_rows(
-            kind, slot[hit], position[hit], token[hit], token[kept], prev_hash[hit],
-            position[kept], _CONFLICT))
+        if self.report_conflicts:
+            rows.add(request_id[hit], entry[hit], _RULE_CONFLICT, violation_rows(
+                kind, slot[hit], position[hit], token[hit], token[kept], prev_hash[hit],
+                position[kept], _CONFLICT))
 
         stored = np.unique(keeper)
         _store(fields, slot[stored], token[stored], position[stored], prev_hash[stored],
