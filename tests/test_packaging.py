@@ -17,3 +17,16 @@ def test_the_declared_license_ships_as_its_full_text():
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
     assert len(text.splitlines()) > 150  # the full terms, not a pointer to them
+
+
+@pytest.mark.parametrize("major", ["12", "13"])
+def test_each_cuda_extra_brings_nvrtc_and_the_runtime_of_its_cuda(major):
+    # CuPy 14 and later find pip's CUDA libraries (earlier ones only the system's), and
+    # compiling a RawModule needs NVRTC and the CUDA runtime's headers and library.
+    extra = PYPROJECT["project"]["optional-dependencies"][f"cuda{major}"]
+    cupy = [r for r in extra if r.startswith(f"cupy-cuda{major}x")]
+    assert cupy == [f"cupy-cuda{major}x>=14"]
+    toolkit = [r for r in extra if r.startswith("cuda-toolkit[")]
+    assert len(toolkit) == 1 and toolkit[0].endswith(f"]=={major}.*"), extra
+    components = set(toolkit[0][len("cuda-toolkit["):toolkit[0].index("]")].split(","))
+    assert {"nvrtc", "cudart"} <= components
