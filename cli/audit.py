@@ -26,6 +26,8 @@ from .interrupt import interrupted_record, on_interrupt
 
 # Affected requests listed by name in the text summary (JSON lists every one).
 TEXT_REQUESTS_SHOWN = 8
+# Dumps with violations or not audited named in the text total (JSON names every one).
+TEXT_DUMPS_SHOWN = 8
 
 
 def run_audit(path: str, options: dict, progress=None):
@@ -99,33 +101,46 @@ def render_json(result, echo) -> None:
 
 
 class Totals:
-    """What several dumps add up to: one closing line (text) or record (JSON)."""
+    """What several dumps add up to: one closing line (text) or record (JSON), naming the
+    dumps with violations and those not audited."""
 
     def __init__(self):
-        self.dumps = self.clean = self.with_violations = self.errors = 0
+        self.dumps = self.clean = 0
         self.entries = self.violations = 0
+        self.with_violations, self.errors = [], []   # their paths
 
-    def add(self, status: str, result) -> None:
+    def add(self, path: str, status: str, result) -> None:
         self.dumps += 1
         if status == "error":
-            self.errors += 1
+            self.errors.append(path)
             return
         self.entries += result.entries_checked
         self.violations += result.total_violations
         if result.clean:
             self.clean += 1
         else:
-            self.with_violations += 1
+            self.with_violations.append(path)
 
     def record(self) -> dict:
         return {"record": "total", "dumps": self.dumps, "clean": self.clean,
-                "with_violations": self.with_violations, "errors": self.errors,
-                "entries_checked": self.entries, "violations": self.violations}
+                "with_violations": len(self.with_violations), "errors": len(self.errors),
+                "entries_checked": self.entries, "violations": self.violations,
+                "dumps_with_violations": self.with_violations,
+                "dumps_not_audited": self.errors}
 
     def line(self) -> str:
-        return (f"total: {self.dumps} dumps: {self.clean} clean, {self.with_violations} with "
-                f"violations, {self.errors} not audited; {self.entries} entries checked, "
-                f"{self.violations} violation(s)")
+        return (f"total: {self.dumps} dumps: {self.clean} clean, "
+                f"{len(self.with_violations)} with violations{_named(self.with_violations)}, "
+                f"{len(self.errors)} not audited{_named(self.errors)}; {self.entries} entries "
+                f"checked, {self.violations} violation(s)")
+
+
+def _named(paths: list) -> str:
+    if not paths:
+        return ""
+    more = len(paths) - TEXT_DUMPS_SHOWN
+    return (" (" + ", ".join(paths[:TEXT_DUMPS_SHOWN])
+            + (f" and {more} more" if more > 0 else "") + ")")
 
 
 @click.command("audit")
@@ -164,7 +179,7 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findin
     # closing: whatever stops the loop (an interrupt) stops the workers with it
     with contextlib.closing(_audit_all(list(dumps), options, jobs)) as outcomes:
         for path, (status, value) in zip(dumps, outcomes):
-            totals.add(status, value)
+            totals.add(path, status, value)
             if status == "error":
                 click.echo(f"{ERROR_PREFIX}{value}", err=True)
                 if fmt == "json":

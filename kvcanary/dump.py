@@ -386,6 +386,24 @@ def _reason(exc: Exception) -> str:
     return text
 
 
+def _refuse_a_folder_of_dumps(path: str) -> None:
+    """A directory of dump files (and no ``.npy``) is a folder of dumps, not one dump: say
+    so, and how to pass them."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return   # _read_dir says why
+    if any(name.endswith(".npy") for name in names):
+        return
+    suffixes = sorted({f".{flavour_of(name)}" for name in names if flavour_of(name) != "dir"})
+    if suffixes:
+        count = sum(flavour_of(name) != "dir" for name in names)
+        raise DumpError(
+            f"{path}: a folder of {count} dump file(s) ({', '.join(suffixes)}), not one dump "
+            "(a dump directory holds one KEY.npy per key); pass the dumps themselves, e.g. "
+            f"kvcanary audit {os.path.join(path, '*' + suffixes[0])}")
+
+
 def _read_dir(path: str) -> dict:
     values = {}
     try:
@@ -481,6 +499,7 @@ def read_raw(path) -> tuple[str, dict]:
     if not os.path.exists(path):
         raise DumpError(f"{path}: no such file or directory")
     if os.path.isdir(path):
+        _refuse_a_folder_of_dumps(path)
         return "dir", _read_dir(path)
     flavour = flavour_of(path)
     if flavour == "safetensors":

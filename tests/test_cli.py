@@ -284,3 +284,30 @@ def test_json_mode_reports_a_bad_dump_as_a_record(tmp_path):
     assert [r["record"] for r in records] == ["config", "summary", "error", "total"]
     assert records[2]["dump"].endswith("gone.npz")
     assert (records[3]["dumps"], records[3]["clean"], records[3]["errors"]) == (2, 1, 1)
+
+
+def test_a_folder_of_dump_files_is_named_as_such_with_how_to_pass_them(tmp_path):
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    for name in ("a.npz", "b.npz"):
+        synth(folder, name)
+    result = invoke("audit", folder)
+    assert result.exit_code == 2
+    message = result.output.strip()
+    assert message.startswith(f"kvcanary: error: {folder}: a folder of 2 dump file(s) (.npz)")
+    assert f"kvcanary audit {folder / '*.npz'}" in message and "Traceback" not in message
+
+
+def test_the_total_of_several_dumps_names_the_failing_ones(tmp_path):
+    clean = synth(tmp_path, "clean.npz")
+    faulty = synth(tmp_path, "faulty.npz", "--inject", "token")
+    gone = tmp_path / "gone.npz"
+    result = invoke("audit", clean, faulty, gone, "-j", "1")
+    assert result.exit_code == 2
+    total = result.output.splitlines()[-1]
+    assert total.startswith(f"total: 3 dumps: 1 clean, 1 with violations ({faulty}), "
+                            f"1 not audited ({gone}); ")
+    result = invoke("audit", clean, faulty, gone, "-j", "1", "--format", "json")
+    record = json.loads(result.output.splitlines()[-1])
+    assert record["dumps_with_violations"] == [str(faulty)]
+    assert record["dumps_not_audited"] == [str(gone)]
