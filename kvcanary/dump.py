@@ -659,6 +659,15 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     dump = Dump(path=path, flavour=flavour, canary=canary, req_to_token=req_to_token,
                 req_pool_indices=rows, seq_lens=seq_lens, block_table=block_table,
                 block_size=block_size)
+    # A row outside the table is a wrong dump, not a corrupt record: one error, not a finding
+    # at every position of the row.
+    table, table_key = (req_to_token, "req_to_token") if block_table is None else (
+        block_table, "block_table")
+    outside = np.flatnonzero(np.asarray(rows) >= table.shape[0])
+    if outside.size:
+        index = int(outside[0])
+        c.fail("req_pool_indices", f"req_pool_indices[{index}] = {int(rows[index])} is outside "
+                                   f"{table_key}, which has {table.shape[0]} rows")
     width = dump.table_positions
     over = np.flatnonzero((np.asarray(rows) != 0) & (np.asarray(seq_lens) > 2 * width))
     if over.size:

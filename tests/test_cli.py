@@ -311,3 +311,19 @@ def test_the_total_of_several_dumps_names_the_failing_ones(tmp_path):
     record = json.loads(result.output.splitlines()[-1])
     assert record["dumps_with_violations"] == [str(faulty)]
     assert record["dumps_not_audited"] == [str(gone)]
+
+
+def test_a_request_row_outside_the_table_is_one_error_not_findings(tmp_path):
+    good = synth(tmp_path, "good.npz")
+    with np.load(good) as data:
+        values = dict(data)
+    rows = values["req_to_token"].shape[0]
+    values["req_pool_indices"] = values["req_pool_indices"].copy()
+    values["req_pool_indices"][1] = rows + 91
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **values)
+    result = invoke("audit", bad)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"kvcanary: error: {bad}: key req_pool_indices: req_pool_indices[1] = {rows + 91} is "
+        f"outside req_to_token, which has {rows} rows"]
