@@ -327,3 +327,20 @@ def test_a_request_row_outside_the_table_is_one_error_not_findings(tmp_path):
     assert result.output.strip().splitlines() == [
         f"kvcanary: error: {bad}: key req_pool_indices: req_pool_indices[1] = {rows + 91} is "
         f"outside req_to_token, which has {rows} rows"]
+
+
+def test_synth_lists_a_bounded_number_of_injected_faults(tmp_path):
+    from kvcanary.audit import DEFAULT_MAX_FINDINGS
+
+    out = tmp_path / "many.npz"
+    big = ["--requests", "400", "--max-running", "128", "--slots", "65536"]
+    result = invoke("synth", out, *big, "--inject", "token:1100", "--inject", "alias:2")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert sum(line.startswith("injected token") for line in lines) == DEFAULT_MAX_FINDINGS
+    assert lines[-1] == (f"injected faults: the first {DEFAULT_MAX_FINDINGS} of 1102 are listed "
+                         "(token 1100, alias 2); the dump's synth_fault_* keys hold every one "
+                         "(--max-listed 0 lists all)")
+    result = invoke("synth", out, *SMALL, "--inject", "token:5", "--max-listed", "0", "--force")
+    assert sum(line.startswith("injected token") for line in result.output.splitlines()) == 5
+    assert "are listed" not in result.output
