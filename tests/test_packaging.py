@@ -30,3 +30,13 @@ def test_each_cuda_extra_brings_nvrtc_and_the_runtime_of_its_cuda(major):
     assert len(toolkit) == 1 and toolkit[0].endswith(f"]=={major}.*"), extra
     components = set(toolkit[0][len("cuda-toolkit["):toolkit[0].index("]")].split(","))
     assert {"nvrtc", "cudart"} <= components
+
+
+def test_the_test_extra_brings_one_array_framework_and_the_nvrtc_check():
+    # torch's CPU build (.ci/run) is the DLPack producer; the extra brings no second one.
+    test = " ".join(PYPROJECT["project"]["optional-dependencies"]["test"])
+    assert "jax" not in test and "torch" not in test
+    for needed in ("pytest", "hypothesis", "cuda-core", "nvidia-cuda-nvrtc", "cuda-bindings"):
+        assert needed in test
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert ci.index("pip install --quiet 'torch==2.13.0+cpu'") < ci.index("python -m pytest")
