@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
 import sys
 
 import click
@@ -28,6 +27,10 @@ from .interrupt import interrupted_record, on_interrupt
 TEXT_REQUESTS_SHOWN = 8
 # Dumps with violations or not audited named in the text total (JSON names every one).
 TEXT_DUMPS_SHOWN = 8
+# Processes auditing several dumps: one, the fastest measured (benchmarks/README.md, "Audit of
+# several dumps"): a worker must start an interpreter and receive its result, and reading
+# large dumps is bound by memory bandwidth more than by the CPU, so -j 2 was slower on 2 cores.
+DEFAULT_AUDIT_JOBS = 1
 
 
 def run_audit(path: str, options: dict, progress=None):
@@ -161,8 +164,10 @@ def _named(paths: list) -> str:
               help="text, or JSON Lines (config, violation..., summary; total for several).")
 @click.option("--compat", is_flag=True,
               help="Upstream's rules only: turn off kvcanary's SLOT_ZERO_IN_PREFIX extension.")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
-              help="Parallel processes for several dumps (default: CPU count).")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=DEFAULT_AUDIT_JOBS,
+              show_default=True,
+              help="Processes auditing several dumps at once (1: one after another in this "
+                   "process, the fastest measured; benchmarks/bench_audit_jobs.py measures N).")
 def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findings, fmt,
                   compat, jobs):
     """Verify the canary of each DUMP (.npz, .safetensors or a directory of .npy).
@@ -211,7 +216,7 @@ def _audit_all(paths: list, options: dict, jobs):
 
     progress = Progress("audited dumps")
     # spawn: a forked child would inherit a CUDA context it cannot use.
-    with WorkerPool(min(len(paths), jobs or os.cpu_count() or 1), start_method="spawn") as pool:
+    with WorkerPool(min(len(paths), jobs), start_method="spawn") as pool:
         try:
             for done, outcome in enumerate(pool.map(functools.partial(run_audit, options=options),
                                                     paths, failed=failed), 1):

@@ -344,3 +344,22 @@ def test_synth_lists_a_bounded_number_of_injected_faults(tmp_path):
     result = invoke("synth", out, *SMALL, "--inject", "token:5", "--max-listed", "0", "--force")
     assert sum(line.startswith("injected token") for line in result.output.splitlines()) == 5
     assert "are listed" not in result.output
+
+
+def test_several_dumps_are_audited_in_this_process_by_default(tmp_path, monkeypatch):
+    # The default was chosen by measurement (benchmarks/README.md): -j 2 was slower.
+    from kvcanary import interrupt
+
+    pools = []
+    real = interrupt.WorkerPool
+
+    def recording(jobs, **kwargs):
+        pools.append(jobs)
+        return real(jobs, **kwargs)
+
+    monkeypatch.setattr(interrupt, "WorkerPool", recording)
+    dumps = [synth(tmp_path, f"{name}.npz") for name in "abc"]
+    assert invoke("audit", *dumps).exit_code == 0
+    assert pools == [1]
+    assert invoke("audit", *dumps, "-j", "2").exit_code == 0
+    assert pools == [1, 2]
