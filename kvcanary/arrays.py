@@ -66,7 +66,8 @@ def as_array(x, name: str, *, untyped_as_bytes: bool = False):
         raise TypeError(f"kv-canary: {name} is not an array: {type(x).__name__}") from exc
     # A list is copied anyway: its integers are read as int64 on every platform (numpy's
     # default integer is int32 on some), the dtype of every integer input but the tables'.
-    if isinstance(x, (list, tuple, int)) and array.dtype.kind in "iu" and array.dtype.itemsize < 8:
+    if isinstance(x, (list, tuple, int)) and array.dtype.kind in "iu" \
+            and array.dtype.itemsize < 8:
         array = array.astype(np.int64)
     return array
 

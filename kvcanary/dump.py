@@ -16,6 +16,7 @@ Three containers hold the same keys (docs/dump-format.md):
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import struct
@@ -160,9 +161,9 @@ def save(path, **arrays) -> str:
 
     Refuses, with a :class:`DumpError` naming the key, before anything is written: a key
     the format does not define (with the nearest one it does; keys of the caller's own start
-    with ``user_``), every dump :func:`load` would refuse (the same checker runs on the arrays), object arrays,
-    values it cannot bring to the host, non-scalar strings in ``.safetensors``, and a
-    directory that holds anything but an earlier dump. The dump is written under a temporary
+    with ``user_``), every dump :func:`load` would refuse (the same checker runs on the
+    arrays), object arrays, values it cannot bring to the host, non-scalar strings in
+    ``.safetensors``, and a directory that holds anything but an earlier dump. The dump is written under a temporary
     name and renamed when complete, so an error or an interrupt leaves no part of it."""
     path = str(path)
     flavour = flavour_of(path)
@@ -618,8 +619,6 @@ SYNTH_KEY_PREFIX = "synth_"
 def check_key_names(path: str, keys) -> None:
     """Refuse a key the format does not define, naming the nearest one it does (a misspelt
     optional key would otherwise be saved and silently ignored by the audit)."""
-    import difflib
-
     for key in keys:
         if key in KNOWN_KEYS or key.startswith((REAL_KV_PREFIX, USER_KEY_PREFIX,
                                                 SYNTH_KEY_PREFIX)):
@@ -629,6 +628,8 @@ def check_key_names(path: str, keys) -> None:
         raise DumpError(f"{path}: key {key}: not a dump key ({hint}keys of your own start "
                         f"with {USER_KEY_PREFIX}, e.g. {USER_KEY_PREFIX}{key}; "
                         "docs/dump-format.md lists every key)")
+
+
 # Keys whose dtype is int64: narrower integers are widened on save and on load alike.
 INT64_KEYS = (VERSION_KEY, "req_pool_indices", "seq_lens", "real_kv_params", "swa_window_size",
               "full_to_swa_index_mapping", "expected_tokens_valid_lens", "sweep_slot_indices",

@@ -46,7 +46,8 @@ def _nvrtc_report() -> str:
     try:
         from cuda import pathfinder
     except ImportError:
-        return f"not found (cuda-pathfinder, CuPy's CUDA library lookup, is not installed; {NVRTC_HINT})"
+        return ("not found (cuda-pathfinder, CuPy's CUDA library lookup, is not installed; "
+                f"{NVRTC_HINT})")
     try:
         lib = pathfinder.load_nvidia_dynamic_lib("nvrtc")
     except Exception as exc:  # noqa: BLE001 - DynamicLibNotFoundError or a loader error
