@@ -247,6 +247,7 @@ def test_progress_only_grows_and_reaches_100_percent_once(layout):
     assert done == sorted(done)
     assert [d == faults[0][2] for d in done].count(True) == 1 and done[-1] == faults[0][2]
 
+
 def test_help_says_how_long_the_default_campaign_takes():
     result = CliRunner().invoke(main, ["campaign", "--help"])
     assert result.exit_code == 0
