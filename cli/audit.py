@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
 import sys
 
 import click
@@ -27,6 +26,12 @@ from .interrupt import interrupted_record, on_interrupt
 
 # Affected requests listed by name in the text summary (JSON lists every one).
 TEXT_REQUESTS_SHOWN = 8
+# Dumps with violations or not audited named in the text total (JSON names every one).
+TEXT_DUMPS_SHOWN = 8
+# Processes auditing several dumps: one, the fastest measured (benchmarks/README.md, "Audit of
+# several dumps"): a worker must start an interpreter and receive its result, and reading
+# large dumps is bound by memory bandwidth more than by the CPU, so -j 2 was slower on 2 cores.
+DEFAULT_AUDIT_JOBS = 1
 
 
 def run_audit(path: str, options: dict, progress=None, html: bool = False):
@@ -114,33 +119,46 @@ def render_json(result, echo) -> None:
 
 
 class Totals:
-    """What several dumps add up to: one closing line (text) or record (JSON)."""
+    """What several dumps add up to: one closing line (text) or record (JSON), naming the
+    dumps with violations and those not audited."""
 
     def __init__(self):
-        self.dumps = self.clean = self.with_violations = self.errors = 0
+        self.dumps = self.clean = 0
         self.entries = self.violations = 0
+        self.with_violations, self.errors = [], []   # their paths
 
-    def add(self, status: str, result) -> None:
+    def add(self, path: str, status: str, result) -> None:
         self.dumps += 1
         if status == "error":
-            self.errors += 1
+            self.errors.append(path)
             return
         self.entries += result.entries_checked
         self.violations += result.total_violations
         if result.clean:
             self.clean += 1
         else:
-            self.with_violations += 1
+            self.with_violations.append(path)
 
     def record(self) -> dict:
         return {"record": "total", "dumps": self.dumps, "clean": self.clean,
-                "with_violations": self.with_violations, "errors": self.errors,
-                "entries_checked": self.entries, "violations": self.violations}
+                "with_violations": len(self.with_violations), "errors": len(self.errors),
+                "entries_checked": self.entries, "violations": self.violations,
+                "dumps_with_violations": self.with_violations,
+                "dumps_not_audited": self.errors}
 
     def line(self) -> str:
-        return (f"total: {self.dumps} dumps: {self.clean} clean, {self.with_violations} with "
-                f"violations, {self.errors} not audited; {self.entries} entries checked, "
-                f"{self.violations} violation(s)")
+        return (f"total: {self.dumps} dumps: {self.clean} clean, "
+                f"{len(self.with_violations)} with violations{_named(self.with_violations)}, "
+                f"{len(self.errors)} not audited{_named(self.errors)}; {self.entries} entries "
+                f"checked, {self.violations} violation(s)")
+
+
+def _named(paths: list) -> str:
+    if not paths:
+        return ""
+    more = len(paths) - TEXT_DUMPS_SHOWN
+    return (" (" + ", ".join(paths[:TEXT_DUMPS_SHOWN])
+            + (f" and {more} more" if more > 0 else "") + ")")
 
 
 @click.command("audit")
@@ -161,8 +179,10 @@ class Totals:
               help="text, or JSON Lines (config, violation..., summary; total for several).")
 @click.option("--compat", is_flag=True,
               help="Upstream's rules only: turn off kvcanary's SLOT_ZERO_IN_PREFIX extension.")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
-              help="Parallel processes for several dumps (default: CPU count).")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=DEFAULT_AUDIT_JOBS,
+              show_default=True,
+              help="Processes auditing several dumps at once (1: one after another in this "
+                   "process, the fastest measured; benchmarks/bench_audit_jobs.py measures N).")
 @click.option("--html", "html", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Also write a self-contained HTML report (maps, findings table) here; "
                    "needs the report extra.")
@@ -190,7 +210,7 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findin
         for path, (status, value) in zip(dumps, outcomes):
             if html:
                 value = _keep_section(sections, path, status, value)
-            totals.add(status, value)
+            totals.add(path, status, value)
             if status == "error":
                 click.echo(f"{ERROR_PREFIX}{value}", err=True)
                 if fmt == "json":
@@ -248,7 +268,7 @@ def _audit_all(paths: list, options: dict, jobs, html: bool = False):
 
     progress = Progress("audited dumps")
     # spawn: a forked child would inherit a CUDA context it cannot use.
-    with WorkerPool(min(len(paths), jobs or os.cpu_count() or 1), start_method="spawn") as pool:
+    with WorkerPool(min(len(paths), jobs), start_method="spawn") as pool:
         try:
             audit_one = functools.partial(run_audit, options=options, html=html)
             for done, outcome in enumerate(pool.map(audit_one, paths, failed=failed), 1):

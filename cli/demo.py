@@ -16,8 +16,9 @@ from .common import (EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS, SEED_RANGE, Progre
 
 
 @click.command("demo")
-@click.option("--mode", type=click.Choice(MODES), default="partial",
-              show_default=True, help="Real-KV hash mode of the workload.")
+@click.option("--mode", type=click.Choice(MODES), default="all", show_default=True,
+              help="Real-KV hash mode of the workload (partial: one real-KV byte fault is "
+                   "listed as not visible).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--seed", type=SEED_RANGE, default=0, show_default=True)
 @click.option("--keep", type=click.Path(file_okay=False), default=None,

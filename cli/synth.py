@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import click
 
 from kvcanary.api import BACKENDS as LAUNCH_BACKENDS
+from kvcanary.audit import DEFAULT_MAX_FINDINGS
 from kvcanary.synth import MODES
 
 from .common import SEED_RANGE, Progress, error_boundary, fail
@@ -92,9 +94,12 @@ def check_out(out: str, force: bool) -> None:
                     "at target CLASS (default interior; per-token layout only): head, "
                     "interior, last, chunk-boundary, window-head, shared, cached; or "
                     "KIND+KIND:PAIRS@shared-block|chain-seam for interacting pairs.")
+@click.option("--max-listed", type=click.IntRange(min=0), default=DEFAULT_MAX_FINDINGS,
+              show_default=True,
+              help="Injected faults listed one per line (0: all); the dump records every one.")
 @click.option("--force", is_flag=True,
               help="Overwrite an existing OUT file, or replace the dump in an OUT directory.")
-def synth_command(out, mode, backend, inject, force, **values):
+def synth_command(out, mode, backend, inject, max_listed, force, **values):
     """Simulate serving and write the canary dump OUT: a .npz or .safetensors file, or a
     directory of .npy files when OUT has no suffix or ends in /."""
     from kvcanary import dump
@@ -135,7 +140,15 @@ def synth_command(out, mode, backend, inject, force, **values):
                f"launches clean, {s.elapsed_s:.2f}s")
     for kind, reason in skipped.items():
         click.echo(f"--inject all: skipped {kind}: {reason}")
-    for fault in synthesis.faults:
-        click.echo(f"injected {fault.kind} at {fault.target}: request row "
-                   f"{fault.request_row}, position {fault.position}, slot {fault.slot}"
-                   + (f" ({fault.note})" if fault.note else ""))
+    faults = synthesis.faults
+    listed = faults if max_listed == 0 else faults[:max_listed]
+    if listed:   # one write: thousands of faults are thousands of lines
+        click.echo("\n".join(
+            f"injected {fault.kind} at {fault.target}: request row {fault.request_row}, "
+            f"position {fault.position}, slot {fault.slot}"
+            + (f" ({fault.note})" if fault.note else "") for fault in listed))
+    if len(listed) < len(faults):
+        kinds = Counter(fault.kind for fault in faults)
+        click.echo(f"injected faults: the first {len(listed)} of {len(faults)} are listed "
+                   f"({', '.join(f'{kind} {n}' for kind, n in kinds.items())}); the dump's "
+                   "synth_fault_* keys hold every one (--max-listed 0 lists all)")

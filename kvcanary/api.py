@@ -153,9 +153,29 @@ def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_
             _check_token_array(array, name, length)
     context.validate()
     A.check_writeable(context.canary_buf, "canary_buf")
+    _check_tokens_cover_the_plan(plan, length)
     library = _same_library(context, plan, **tokens, **expected)
     _run(backend or library, library, "write",
          dict(context=context, plan=plan, **tokens, **expected))
+
+
+def _check_tokens_cover_the_plan(plan: WritePlan, length: int) -> None:
+    """A plan as :func:`plan` makes it (offsets from 0, never decreasing) that covers more
+    tokens than the token arrays hold is the caller's shape mistake: an error naming the
+    arrays. A corrupt plan (negative or decreasing offsets) is left to the launch, which
+    reports every request it cannot write as a ``slot_out_of_range`` row, the way it treats
+    any out-of-range index; so is a device plan, which a launch does not read back (it copies
+    nothing to the host)."""
+    if plan.library() != "numpy":
+        return
+    active = max(0, min(int(plan.write_num_valid_reqs[0]), plan.write_req_capacity))
+    offsets = plan.write_offsets[: active + 1]
+    if (active and int(offsets[-1]) > length and int(offsets[0]) == 0
+            and bool((offsets[1:] >= offsets[:-1]).all())):
+        raise ValueError(
+            f"kv-canary: input_ids, positions and out_cache_loc have {length} entries but the "
+            f"write plan covers {int(offsets[-1])} tokens (write_offsets[{active}], "
+            f"write_num_valid_reqs = {active}): pass one entry per planned token")
 
 
 def verify(context: CanaryContext, plan: VerifyPlan, *, check_expected_token: bool = False,

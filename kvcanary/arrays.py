@@ -35,7 +35,8 @@ def as_array(x, name: str, *, untyped_as_bytes: bool = False):
     is imported zero-copy: host memory as numpy, device memory as cupy. An element type
     neither library holds (bf16, fp8, fp4) is refused by name, or with ``untyped_as_bytes``
     imported as its bytes (see :func:`byte_view`). Other array-likes go through
-    ``numpy.asarray``.
+    ``numpy.asarray``; Python lists and ints of integers become int64 arrays. No array is
+    converted to another dtype (docs/format.md, "Integer inputs").
     """
     if x is None:
         return None
@@ -60,9 +61,15 @@ def as_array(x, name: str, *, untyped_as_bytes: bool = False):
                              f"is not unit-stride (strides={view.strides})")
         return view.array
     try:
-        return np.asarray(x)
+        array = np.asarray(x)
     except Exception as exc:
         raise TypeError(f"kv-canary: {name} is not an array: {type(x).__name__}") from exc
+    # A list is copied anyway: its integers are read as int64 on every platform (numpy's
+    # default integer is int32 on some), the dtype of every integer input but the tables'.
+    if isinstance(x, (list, tuple, int)) and array.dtype.kind in "iu" \
+            and array.dtype.itemsize < 8:
+        array = array.astype(np.int64)
+    return array
 
 
 def _library_from_dlpack(x, name: str):
@@ -122,6 +129,9 @@ def _unit_last_stride(shape, strides, unit) -> bool:
 
 
 _DTYPES: dict = {}  # the dtypes a check allows, as numpy dtypes, converted once
+# The rule for integer inputs (docs/format.md, "Integer inputs"), as the dtype errors say it.
+CONVERTS_NO_ARRAY = ("kvcanary converts no array it is given: plan, write and verify run in "
+                     "place on it, without a copy; a Python list is read as int64")
 
 
 def check_dtype(x, name: str, *dtypes) -> None:
@@ -130,7 +140,8 @@ def check_dtype(x, name: str, *dtypes) -> None:
         allowed = _DTYPES[dtypes] = tuple(np.dtype(d) for d in dtypes)
     if x.dtype not in allowed:
         wanted = " or ".join(str(d) for d in allowed)
-        raise ValueError(f"kv-canary: {name} must have dtype {wanted}, got {x.dtype}")
+        raise ValueError(f"kv-canary: {name} must have dtype {wanted}, got {x.dtype} "
+                         f"({CONVERTS_NO_ARRAY})")
 
 
 def check_ndim(x, name: str, ndim: int) -> None:

@@ -615,13 +615,31 @@ def _keep(into: list, items: list) -> None:
     into.extend(items[:max(0, MAX_REPORTED - len(into))])
 
 
+FAULT_PHASE = "faults toward the target"
+
+
+def report_fault_progress(progress, injected: Counter, cells, target: int,
+                          finished: bool = False) -> None:
+    """``progress(FAULT_PHASE, done, total)``: faults injected toward ``target`` in every
+    cell (a cell past its target counts as full). Rounds plan more runs as cells fall short,
+    so a count of runs would go back; this one only grows, and reaches the total once, when
+    the phase has finished."""
+    if not progress:
+        return
+    total = target * len(cells)
+    done = sum(min(injected[cell], target) for cell in cells)
+    progress(FAULT_PHASE, done if finished else min(done, total - 1), total)
+
+
 def _fault_phase(report, runner, progress) -> None:
     target = report.faults_per_kind
     injected = Counter()     # (target class, kind, mode, scope) -> faults
-    index = planned = 0   # runs planned so far: a round that falls short plans more
+    cells = all_cells()
+    index = 0
     while True:
-        deficit = {cell: target - injected[cell] for cell in all_cells() if injected[cell] < target}
+        deficit = {cell: target - injected[cell] for cell in cells if injected[cell] < target}
         if not deficit:
+            report_fault_progress(progress, injected, cells, target, finished=True)
             break
         report.rounds += 1
         if report.rounds > MAX_ROUNDS:
@@ -655,7 +673,6 @@ def _fault_phase(report, runner, progress) -> None:
                 tasks.append({"index": index, "config": config, "backends": report.backends,
                               "plan": plan})
                 index += 1
-        planned += len(tasks)
         for out in runner.map(run_fault_task, tasks):
             report.fault_runs += 1
             report.injections += len(out["injections"])
@@ -674,8 +691,7 @@ def _fault_phase(report, runner, progress) -> None:
                 report.cells.setdefault((backend, rules, t, kind, mode, scope), Cell()).add(cell)
                 if backend == report.backends[0] and rules == RULES[0]:
                     injected[(t, kind, mode, scope)] += cell.injected
-            if progress:
-                progress("fault runs", report.fault_runs, planned)
+            report_fault_progress(progress, injected, cells, target)
 
 
 # --------------------------------------------------------------------------- rendering

@@ -69,6 +69,7 @@ from .campaign import (
     audit_command,
     fault_scope,
     machine_description,
+    report_fault_progress,
     resolve_backends,
     scopes,
 )
@@ -487,10 +488,11 @@ def _fault_phase(report, runner, progress) -> None:
     target = report.faults_per_kind
     injected = Counter()     # (kind, mode, scope) -> faults
     cells = all_cells(report.layout)
-    index = planned = 0   # runs planned so far: a round that falls short plans more
+    index = 0
     while True:
         deficit = {cell: target - injected[cell] for cell in cells if injected[cell] < target}
         if not deficit:
+            report_fault_progress(progress, injected, cells, target, finished=True)
             break
         report.rounds += 1
         if report.rounds > MAX_ROUNDS:
@@ -516,7 +518,6 @@ def _fault_phase(report, runner, progress) -> None:
                 tasks.append({"index": index, "config": config, "backends": report.backends,
                               "inject": [inject[i] for i in order]})
                 index += 1
-        planned += len(tasks)
         for out in runner.map(run_fault_task, tasks):
             report.fault_runs += 1
             config = tasks[out["index"] - first]["config"]
@@ -536,8 +537,7 @@ def _fault_phase(report, runner, progress) -> None:
                 report.cells.setdefault((backend, rules, kind, mode, scope), Cell()).add(cell)
                 if backend == report.backends[0] and rules == RULES[0]:
                     injected[(kind, mode, scope)] += cell.injected
-            if progress:
-                progress("fault runs", report.fault_runs, planned)
+            report_fault_progress(progress, injected, cells, target)
 
 
 # --------------------------------------------------------------------------- rendering

@@ -14,8 +14,8 @@ from .synth import FAULT_KINDS, Synthesis, SynthConfig, faults_from_dump, score
 from .violations import reason_labels
 
 DEMO_CONFIG = dict(requests=48, num_slots=2048, max_running=16, sources=2, bytes_per_token=32)
-# Two real-KV byte faults: the first lands in the leading 16 bytes, the second after them, so
-# partial mode shows one fault it sees and one it cannot.
+# Two real-KV byte faults: the first lands in the leading 16 bytes, the second after them. The
+# default mode, all, sees both; partial mode shows one fault it sees and one it cannot.
 DEMO_FAULTS = tuple((kind, 2 if kind == "real-kv-byte" else 1) for kind in FAULT_KINDS)
 
 
@@ -60,7 +60,7 @@ class DemoReport:
         return findings[0] if findings else None
 
 
-def run_demo(*, mode: str = "partial", seed: int = 0, backend: str = "auto",
+def run_demo(*, mode: str = "all", seed: int = 0, backend: str = "auto",
              workdir: str | None = None, compat: bool = False, progress=None,
              **overrides) -> DemoReport:
     config = SynthConfig(**{**DEMO_CONFIG, **overrides, "mode": mode, "seed": seed})

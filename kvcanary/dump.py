@@ -16,6 +16,7 @@ Three containers hold the same keys (docs/dump-format.md):
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import struct
@@ -158,13 +159,15 @@ def save(path, **arrays) -> str:
     values are skipped. Narrower integers of an int64 key (e.g. ``int32`` ``seq_lens``) are
     widened losslessly, as :func:`load` does.
 
-    Refuses, with a :class:`DumpError` naming the key, before anything is written: every
-    dump :func:`load` would refuse (the same checker runs on the arrays), object arrays,
-    values it cannot bring to the host, non-scalar strings in ``.safetensors``, and a
-    directory that holds anything but an earlier dump. The dump is written under a temporary
+    Refuses, with a :class:`DumpError` naming the key, before anything is written: a key
+    the format does not define (with the nearest one it does; keys of the caller's own start
+    with ``user_``), every dump :func:`load` would refuse (the same checker runs on the
+    arrays), object arrays, values it cannot bring to the host, non-scalar strings in
+    ``.safetensors``, and a directory that holds anything but an earlier dump. The dump is written under a temporary
     name and renamed when complete, so an error or an interrupt leaves no part of it."""
     path = str(path)
     flavour = flavour_of(path)
+    check_key_names(path, arrays)
     values = {VERSION_KEY: np.array(DUMP_VERSION, dtype=np.int64)}
     for key, value in arrays.items():
         if value is None:
@@ -386,6 +389,24 @@ def _reason(exc: Exception) -> str:
     return text
 
 
+def _refuse_a_folder_of_dumps(path: str) -> None:
+    """A directory of dump files (and no ``.npy``) is a folder of dumps, not one dump: say
+    so, and how to pass them."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return   # _read_dir says why
+    if any(name.endswith(".npy") for name in names):
+        return
+    suffixes = sorted({f".{flavour_of(name)}" for name in names if flavour_of(name) != "dir"})
+    if suffixes:
+        count = sum(flavour_of(name) != "dir" for name in names)
+        raise DumpError(
+            f"{path}: a folder of {count} dump file(s) ({', '.join(suffixes)}), not one dump "
+            "(a dump directory holds one KEY.npy per key); pass the dumps themselves, e.g. "
+            f"kvcanary audit {os.path.join(path, '*' + suffixes[0])}")
+
+
 def _read_dir(path: str) -> dict:
     values = {}
     try:
@@ -481,6 +502,7 @@ def read_raw(path) -> tuple[str, dict]:
     if not os.path.exists(path):
         raise DumpError(f"{path}: no such file or directory")
     if os.path.isdir(path):
+        _refuse_a_folder_of_dumps(path)
         return "dir", _read_dir(path)
     flavour = flavour_of(path)
     if flavour == "safetensors":
@@ -582,6 +604,32 @@ def load(path) -> Dump:
 
 # Keys every dump holds.
 REQUIRED_KEYS = (VERSION_KEY, "canary", "req_to_token", "req_pool_indices", "seq_lens")
+# Every key the format defines (docs/dump-format.md), besides the real-KV sources real_kv_N.
+KNOWN_KEYS = (*REQUIRED_KEYS, "block_table", "block_size", "launch_tag", "real_kv_params",
+              "real_kv_hash_mode", "swa_window_size", "full_to_swa_index_mapping",
+              "expected_tokens", "expected_tokens_valid_lens", "sweep_slot_indices",
+              "sweep_prev_slot_indices", "sweep_positions")
+REAL_KV_PREFIX = "real_kv_"
+# Keys the format leaves to their writers: the user's own, and kvcanary synth's metadata.
+# The audit carries them through (Dump.extra) and checks nothing in them.
+USER_KEY_PREFIX = "user_"
+SYNTH_KEY_PREFIX = "synth_"
+
+
+def check_key_names(path: str, keys) -> None:
+    """Refuse a key the format does not define, naming the nearest one it does (a misspelt
+    optional key would otherwise be saved and silently ignored by the audit)."""
+    for key in keys:
+        if key in KNOWN_KEYS or key.startswith((REAL_KV_PREFIX, USER_KEY_PREFIX,
+                                                SYNTH_KEY_PREFIX)):
+            continue
+        near = difflib.get_close_matches(key, KNOWN_KEYS, n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]}? " if near else ""
+        raise DumpError(f"{path}: key {key}: not a dump key ({hint}keys of your own start "
+                        f"with {USER_KEY_PREFIX}, e.g. {USER_KEY_PREFIX}{key}; "
+                        "docs/dump-format.md lists every key)")
+
+
 # Keys whose dtype is int64: narrower integers are widened on save and on load alike.
 INT64_KEYS = (VERSION_KEY, "req_pool_indices", "seq_lens", "real_kv_params", "swa_window_size",
               "full_to_swa_index_mapping", "expected_tokens_valid_lens", "sweep_slot_indices",
@@ -640,6 +688,15 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     dump = Dump(path=path, flavour=flavour, canary=canary, req_to_token=req_to_token,
                 req_pool_indices=rows, seq_lens=seq_lens, block_table=block_table,
                 block_size=block_size)
+    # A row outside the table is a wrong dump, not a corrupt record: one error, not a finding
+    # at every position of the row.
+    table, table_key = (req_to_token, "req_to_token") if block_table is None else (
+        block_table, "block_table")
+    outside = np.flatnonzero(np.asarray(rows) >= table.shape[0])
+    if outside.size:
+        index = int(outside[0])
+        c.fail("req_pool_indices", f"req_pool_indices[{index}] = {int(rows[index])} is outside "
+                                   f"{table_key}, which has {table.shape[0]} rows")
     width = dump.table_positions
     over = np.flatnonzero((np.asarray(rows) != 0) & (np.asarray(seq_lens) > 2 * width))
     if over.size:
@@ -664,13 +721,8 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     _load_expected(c, dump, bs)
     _load_sweep(c, dump)
 
-    known = {VERSION_KEY, "canary", "req_to_token", "block_table", "block_size",
-             "req_pool_indices", "seq_lens", "launch_tag",
-             "real_kv_params", "real_kv_hash_mode", "swa_window_size", "full_to_swa_index_mapping",
-             "expected_tokens", "expected_tokens_valid_lens", "sweep_slot_indices",
-             "sweep_prev_slot_indices", "sweep_positions"}
     for key, value in values.items():
-        if key in known or key.startswith("real_kv_"):
+        if key in KNOWN_KEYS or key.startswith(REAL_KV_PREFIX):
             continue
         if value.dtype.kind == "U" and value.ndim == 0 and _valid_unicode(value):
             value = str(value[()])  # (invalid unicode stays an array: audit ignores extras)

@@ -34,9 +34,28 @@ def _cupy_report() -> tuple[str, str]:
         return cupy.__version__, f"none ({type(exc).__name__}: {exc})"
 
 
+# The pip wheels that ship NVRTC: CUDA 13's, then CUDA 12's.
+NVRTC_WHEELS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12")
+NVRTC_HINT = "pip install 'kvcanary[cuda13]' (or '[cuda12]') brings it"
+
+
 def _nvrtc_report() -> str:
-    """NVRTC from pip (nvidia-cuda-nvrtc), which the compile checks and cupy can use."""
-    return _package_version("nvidia-cuda-nvrtc")
+    """Where NVRTC, which compiles the kernels, comes from: the library CuPy's own lookup
+    (cuda-pathfinder) loads, how it was found (site-packages, conda, CUDA_PATH, system)
+    and, for a pip wheel, the wheel and its version; else why none was found."""
+    try:
+        from cuda import pathfinder
+    except ImportError:
+        return ("not found (cuda-pathfinder, CuPy's CUDA library lookup, is not installed; "
+                f"{NVRTC_HINT})")
+    try:
+        lib = pathfinder.load_nvidia_dynamic_lib("nvrtc")
+    except Exception as exc:  # noqa: BLE001 - DynamicLibNotFoundError or a loader error
+        return f"not found ({type(exc).__name__}: {str(exc)[:200]}; {NVRTC_HINT})"
+    wheels = [f"{name} {_package_version(name)}" for name in NVRTC_WHEELS
+              if _package_version(name) != "not installed"]
+    wheel = f", pip {' + '.join(wheels)}" if wheels and lib.found_via == "site-packages" else ""
+    return f"{lib.abs_path} (found via {lib.found_via}{wheel})"
 
 
 def environment_report() -> dict:
@@ -56,7 +75,7 @@ def environment_report() -> dict:
         "real-KV sources": f"default bound {MAX_REAL_KV_SOURCES}, up to {MAX_REAL_KV_SOURCES_LIMIT}",
         "numpy": np.__version__,
         "cupy": cupy_version,
-        "nvrtc (pip)": _nvrtc_report(),
+        "nvrtc": _nvrtc_report(),
         "gpu": gpu,
         "kernel sources": kernels,
     }

@@ -140,7 +140,7 @@ def test_several_dumps_end_with_one_total_line(flooded, tmp_path):
                                        "--max-findings", "1"])
     assert result.exit_code == 1
     last = result.output.splitlines()[-1]
-    assert last == (f"total: 2 dumps: 1 clean, 1 with violations, 0 not audited; "
+    assert last == (f"total: 2 dumps: 1 clean, 1 with violations ({flooded}), 0 not audited; "
                     f"{16 + REQUESTS * TOKENS} entries checked, {REQUESTS * TOKENS} violation(s)")
 
 

@@ -202,19 +202,36 @@ def test_usage_errors_exit_2(tmp_path):
         assert result.exit_code == 2 and "backend cupy is not usable" in result.output
 
 
-def test_demo_detects_every_fault_and_is_honest_about_partial_mode():
-    result = invoke("demo")
-    assert result.exit_code == 0, result.output
-    out = result.output
-    assert "clean audit:" in out and "0 violation(s) -> clean" in out
+def demo_table(out: str) -> dict:
     from kvcanary.synth import FAULT_KINDS
 
     table = {line.split()[0]: line.split() for line in out.splitlines()
              if line.split() and line.split()[0] in FAULT_KINDS}
     assert set(table) == set(FAULT_KINDS)
+    return table
+
+
+def test_demo_by_default_hashes_all_real_kv_and_detects_every_fault():
+    # The first table a user sees: nothing in it may look like a miss.
+    result = invoke("demo")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "in all mode" in out.splitlines()[0]
+    assert "clean audit:" in out and "0 violation(s) -> clean" in out
+    for kind, row in demo_table(out).items():
+        assert row[1] == row[2], row
+    assert demo_table(out)["real-kv-byte"][1:3] == ["2", "2"]
+    assert "not visible" not in out and "PASS" in out
+
+
+def test_demo_is_honest_about_partial_mode():
+    result = invoke("demo", "--mode", "partial")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    table = demo_table(out)
     assert table["real-kv-byte"][1:3] == ["2", "1"]
     assert "not visible in partial mode" in out
-    for kind in FAULT_KINDS:
+    for kind in table:
         if kind != "real-kv-byte":
             assert table[kind][1] == table[kind][2], table[kind]
     assert "PASS" in out
@@ -267,3 +284,82 @@ def test_json_mode_reports_a_bad_dump_as_a_record(tmp_path):
     assert [r["record"] for r in records] == ["config", "summary", "error", "total"]
     assert records[2]["dump"].endswith("gone.npz")
     assert (records[3]["dumps"], records[3]["clean"], records[3]["errors"]) == (2, 1, 1)
+
+
+def test_a_folder_of_dump_files_is_named_as_such_with_how_to_pass_them(tmp_path):
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    for name in ("a.npz", "b.npz"):
+        synth(folder, name)
+    result = invoke("audit", folder)
+    assert result.exit_code == 2
+    message = result.output.strip()
+    assert message.startswith(f"kvcanary: error: {folder}: a folder of 2 dump file(s) (.npz)")
+    assert f"kvcanary audit {folder / '*.npz'}" in message and "Traceback" not in message
+
+
+def test_the_total_of_several_dumps_names_the_failing_ones(tmp_path):
+    clean = synth(tmp_path, "clean.npz")
+    faulty = synth(tmp_path, "faulty.npz", "--inject", "token")
+    gone = tmp_path / "gone.npz"
+    result = invoke("audit", clean, faulty, gone, "-j", "1")
+    assert result.exit_code == 2
+    total = result.output.splitlines()[-1]
+    assert total.startswith(f"total: 3 dumps: 1 clean, 1 with violations ({faulty}), "
+                            f"1 not audited ({gone}); ")
+    result = invoke("audit", clean, faulty, gone, "-j", "1", "--format", "json")
+    record = json.loads(result.output.splitlines()[-1])
+    assert record["dumps_with_violations"] == [str(faulty)]
+    assert record["dumps_not_audited"] == [str(gone)]
+
+
+def test_a_request_row_outside_the_table_is_one_error_not_findings(tmp_path):
+    good = synth(tmp_path, "good.npz")
+    with np.load(good) as data:
+        values = dict(data)
+    rows = values["req_to_token"].shape[0]
+    values["req_pool_indices"] = values["req_pool_indices"].copy()
+    values["req_pool_indices"][1] = rows + 91
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **values)
+    result = invoke("audit", bad)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"kvcanary: error: {bad}: key req_pool_indices: req_pool_indices[1] = {rows + 91} is "
+        f"outside req_to_token, which has {rows} rows"]
+
+
+def test_synth_lists_a_bounded_number_of_injected_faults(tmp_path):
+    from kvcanary.audit import DEFAULT_MAX_FINDINGS
+
+    out = tmp_path / "many.npz"
+    big = ["--requests", "400", "--max-running", "128", "--slots", "65536"]
+    result = invoke("synth", out, *big, "--inject", "token:1100", "--inject", "alias:2")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert sum(line.startswith("injected token") for line in lines) == DEFAULT_MAX_FINDINGS
+    assert lines[-1] == (f"injected faults: the first {DEFAULT_MAX_FINDINGS} of 1102 are listed "
+                         "(token 1100, alias 2); the dump's synth_fault_* keys hold every one "
+                         "(--max-listed 0 lists all)")
+    result = invoke("synth", out, *SMALL, "--inject", "token:5", "--max-listed", "0", "--force")
+    assert sum(line.startswith("injected token") for line in result.output.splitlines()) == 5
+    assert "are listed" not in result.output
+
+
+def test_several_dumps_are_audited_in_this_process_by_default(tmp_path, monkeypatch):
+    # The default was chosen by measurement (benchmarks/README.md): -j 2 was slower.
+    from kvcanary import interrupt
+
+    pools = []
+    real = interrupt.WorkerPool
+
+    def recording(jobs, **kwargs):
+        pools.append(jobs)
+        return real(jobs, **kwargs)
+
+    monkeypatch.setattr(interrupt, "WorkerPool", recording)
+    dumps = [synth(tmp_path, f"{name}.npz") for name in "abc"]
+    assert invoke("audit", *dumps).exit_code == 0
+    assert pools == [1]
+    assert invoke("audit", *dumps, "-j", "2").exit_code == 0
+    assert pools == [1, 2]

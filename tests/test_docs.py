@@ -54,3 +54,15 @@ def test_format_sections_cited_in_code_exist():
                            cwd=ROOT, capture_output=True, text=True).stdout
     cited = set(re.findall(r"§(\d+)", found))
     assert cited and cited <= sections, sorted(cited - sections)
+
+
+def test_readme_cli_doc_and_benchmarks_quote_one_audit_time():
+    def seconds(doc: str, pattern: str) -> str:
+        text = " ".join((ROOT / doc).read_text(encoding="utf-8").split())
+        found = re.findall(pattern, text)
+        assert len(found) == 1, (doc, found)
+        return found[0]
+
+    quoted = {doc: seconds(doc, r"0\.96 GiB dump[^;]*?\b(?:in|takes) ([\d.]+) s\b")
+              for doc in ("README.md", "docs/cli.md", "benchmarks/README.md")}
+    assert len(set(quoted.values())) == 1, quoted

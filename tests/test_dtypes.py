@@ -1,6 +1,6 @@
 """Real KV of any element type enters zero-copy as its bytes: bf16, fp8 and packed fp4 from
-jax (a real DLPack producer) on the CPU, torch bf16 and fp8 on a GPU; the same bytes give
-the same fingerprint whatever element type carries them."""
+torch (a real DLPack producer; its CPU build is enough) on the CPU, torch bf16 and fp8 on a
+GPU; the same bytes give the same fingerprint whatever element type carries them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from builders import (DLPackOnly, fields, make_context, make_verify_plan, make_w
 from kvcanary.audit import audit
 from kvcanary.dump import load, save
 
-jnp = pytest.importorskip("jax.numpy", reason="jax (the test extra) is the CPU DLPack producer")
+torch = pytest.importorskip("torch", reason="torch (its CPU build: pip install "
+                            "'torch==2.13.0+cpu') is the DLPack producer of bf16/fp8/fp4")
 
 ALL = kc.RealKvHashMode.ALL
 NUM_SLOTS, SLOT_BYTES = 16, 64
@@ -51,9 +52,9 @@ def fingerprints(src: kc.RealKvSource, xp=np) -> list[int]:
     return [int(v) for v in fields(canary)[SLOTS, 3]]
 
 
-def jax_array(raw: np.ndarray, dtype):
-    """A jax array of ``dtype`` whose memory holds exactly the bytes ``raw``."""
-    return jnp.asarray(raw).view(dtype)
+def torch_array(raw: np.ndarray, dtype):
+    """A torch tensor of ``dtype`` whose memory holds exactly the bytes ``raw``."""
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(dtype)
 
 
 def data_pointer(src: kc.RealKvSource) -> int:
@@ -61,12 +62,12 @@ def data_pointer(src: kc.RealKvSource) -> int:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float16"])
-def test_jax_kv_is_read_as_its_own_bytes(dtype):
+def test_torch_kv_is_read_as_its_own_bytes(dtype):
     raw = random_bytes(NUM_SLOTS, SLOT_BYTES)
-    kv = jax_array(raw, getattr(jnp, dtype))
+    kv = torch_array(raw, getattr(torch, dtype))
     src = source(kv)
     assert src.tensor.dtype == np.uint8 and src.tensor.shape == (NUM_SLOTS, SLOT_BYTES)
-    assert data_pointer(src) == kv.unsafe_buffer_pointer()  # no copy
+    assert data_pointer(src) == kv.data_ptr()  # no copy
     assert np.array_equal(src.tensor, raw)
     assert fingerprints(src) == fingerprints(source(raw.copy()))
     assert any(fingerprints(src))
@@ -74,10 +75,11 @@ def test_jax_kv_is_read_as_its_own_bytes(dtype):
 
 def test_packed_fp4_rows_are_their_packed_bytes():
     # Two e2m1 codes per byte, the first in the low nibble (DLPack's packing of sub-byte types).
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip(f"torch {torch.__version__} has no float4_e2m1fn_x2")
     codes = np.random.default_rng(1).integers(0, 16, (NUM_SLOTS, 2 * SLOT_BYTES), np.uint8)
-    kv = jnp.asarray(codes.view(ml_dtypes.float4_e2m1fn))
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    kv = torch_array(packed, torch.float4_e2m1fn_x2)
     src = source(kv)
     assert np.array_equal(src.tensor, packed)
     assert fingerprints(src) == fingerprints(source(packed))
@@ -85,11 +87,10 @@ def test_packed_fp4_rows_are_their_packed_bytes():
 
 def test_a_wide_row_stride_is_honoured_without_a_copy():
     # Each row of 32 bf16 values is followed by 16 foreign values (rows wider than the slots).
-    bfloat16 = pytest.importorskip("ml_dtypes").bfloat16
     raw = random_bytes(NUM_SLOTS, SLOT_BYTES + 32, seed=2)
-    backing = raw.view(np.uint16)
-    rows = backing[:, : SLOT_BYTES // 2]
-    for given in (DLPackOnly(rows), rows.view(bfloat16)):
+    rows = raw.view(np.uint16)[:, : SLOT_BYTES // 2]
+    bf16_rows = torch.from_numpy(raw).view(torch.bfloat16)[:, : SLOT_BYTES // 2]
+    for given in (DLPackOnly(rows), bf16_rows):
         src = source(given)
         assert src.row_stride_bytes == SLOT_BYTES + 32 and src.row_bytes == SLOT_BYTES
         assert np.shares_memory(src.tensor, raw)
@@ -98,31 +99,31 @@ def test_a_wide_row_stride_is_honoured_without_a_copy():
 
 def test_the_producers_buffer_outlives_its_array():
     raw = random_bytes(64, 4096, seed=3)  # large enough to be released to the system
-    kv = jax_array(raw, jnp.bfloat16)
+    kv = torch_array(raw.copy(), torch.bfloat16)
     src = kc.RealKvSource(kv, page_size=1, num_bytes_per_token=4096, read_bytes=4096)
     del kv
     gc.collect()
-    others = [jnp.full((64, 2048), 7, jnp.bfloat16) + i for i in range(32)]  # reuse freed memory
+    others = [torch.full((64, 2048), 7, dtype=torch.bfloat16) + i for i in range(32)]  # reuse
     assert np.array_equal(src.tensor, raw)
     del others
 
 
 def test_a_type_without_numbers_is_refused_by_name_where_numbers_are_needed():
-    table = jnp.zeros((2, 8), jnp.bfloat16)
+    table = torch.zeros((2, 8), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"^kv-canary: req_to_token has element type bfloat16"):
         kc.plan(req_pool_indices=np.array([1]), prefix_lens=np.array([0]),
                 extend_seq_lens=np.array([1]), req_to_token=table,
                 verify_plan=kc.VerifyPlan.allocate(4), write_plan=kc.WritePlan.allocate(1))
     with pytest.raises(ValueError, match=r"^kv-canary: input_ids has element type float8_e4m3fn"):
         kc.write(make_context(), kc.WritePlan.allocate(1),
-                 input_ids=jnp.zeros(1, jnp.float8_e4m3fn), positions=np.zeros(1, np.int64),
-                 out_cache_loc=np.zeros(1, np.int64))
+                 input_ids=torch.zeros(1, dtype=torch.float8_e4m3fn),
+                 positions=np.zeros(1, np.int64), out_cache_loc=np.zeros(1, np.int64))
 
 
 @pytest.mark.parametrize("container", ["d.npz", "d.safetensors", "d"])
-@pytest.mark.parametrize("producer", [lambda kv: kv, DLPackOnly], ids=["jax", "dlpack-only"])
+@pytest.mark.parametrize("producer", [lambda kv: kv, DLPackOnly], ids=["torch", "dlpack-only"])
 def test_dump_save_keeps_the_bytes_of_bf16_kv(tmp_path, container, producer):
-    # dlpack-only: a tensor that numpy cannot convert (as torch's bf16), only DLPack reads it
+    # torch's bf16 is a tensor numpy cannot convert: only DLPack reads it
     raw = random_bytes(NUM_SLOTS, SLOT_BYTES, seed=4)
     ctx = make_context(num_slots=NUM_SLOTS, sources=[source(raw)], mode=ALL)
     write_tokens(ctx, SLOTS, SLOTS, list(range(len(SLOTS))))
@@ -134,7 +135,7 @@ def test_dump_save_keeps_the_bytes_of_bf16_kv(tmp_path, container, producer):
                   real_kv_params=np.array([[1, SLOT_BYTES, SLOT_BYTES]], np.int64))
 
     def dumped(kv_bytes):
-        kv = producer(jax_array(kv_bytes, jnp.bfloat16))
+        kv = producer(torch_array(kv_bytes.copy(), torch.bfloat16))
         return load(save(str(tmp_path / container), real_kv_0=kv, **arrays))
 
     dump = dumped(raw)
@@ -153,7 +154,6 @@ def test_torch_device_kv_is_read_as_its_own_bytes(dtype):
     from kernel_harness.gpu import require_gpu
 
     cupy = require_gpu()
-    torch = pytest.importorskip("torch", reason="the GPU check uses torch as the KV producer")
     raw = torch.from_numpy(random_bytes(NUM_SLOTS, SLOT_BYTES, seed=5)).cuda()
     kv = raw.view(getattr(torch, dtype))
     try:

@@ -345,3 +345,27 @@ def test_npy_format_3_is_refused_by_name(tmp_path):
     with open(directory / "seq_lens.npy", "wb") as handle:
         npy_format.write_array(handle, np.array([2], np.int64), version=(3, 0))
     _expect(str(directory), "key seq_lens", ".npy format version 3.0 is not supported")
+
+
+def _minimal_dump():
+    table = np.zeros((2, 4), np.int32)
+    table[1, 0] = 1
+    return dict(canary=np.zeros((4, 32), np.uint8), req_to_token=table,
+                req_pool_indices=np.array([1], np.int64), seq_lens=np.array([0], np.int64))
+
+
+def test_save_refuses_a_misspelt_key_naming_the_nearest_one(tmp_path):
+    path = tmp_path / "d.npz"
+    with pytest.raises(DumpError, match=r"key expected_token: not a dump key \(did you mean "
+                                        r"expected_tokens\? keys of your own start with user_"):
+        save(str(path), expected_token=np.zeros((2, 4), np.int64), **_minimal_dump())
+    assert not path.exists()
+    with pytest.raises(DumpError, match=r"key frobnicate: not a dump key \(keys of your own"):
+        save(str(path), frobnicate=1, **_minimal_dump())
+
+
+def test_keys_of_the_users_own_are_saved_and_carried_through(tmp_path):
+    path = save(str(tmp_path / "d.npz"), user_step=np.array(1234), user_model="m",
+                **_minimal_dump())
+    dump = load(path)
+    assert int(dump.extra["user_step"]) == 1234 and dump.string("user_model") == "m"

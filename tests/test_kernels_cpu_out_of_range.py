@@ -61,7 +61,9 @@ def test_write_seed_and_slot_outside_buffer():
     assert counters(ctx)[1] == 3
 
 
-@pytest.mark.parametrize("offsets,bad", [([0, 3, 9], 9), ([-2, 1, 2], -2), ([0, 9, 9], 9)])
+# Corrupt plans (offsets not from 0): a plan as kc.plan makes it that covers more tokens than
+# the arrays hold is refused before the launch (tests/test_api_shapes.py).
+@pytest.mark.parametrize("offsets,bad", [([1, 3, 9], 9), ([-2, 1, 2], -2), ([1, 9, 9], 9)])
 def test_write_request_range_outside_token_arrays(offsets, bad):
     ctx = make_context(num_slots=8)
     plan = kc.WritePlan.allocate(2)

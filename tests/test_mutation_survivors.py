@@ -154,14 +154,18 @@ def test_dump_with_a_window_of_zero_loads_without_a_lut(tmp_path):
 def test_write_request_past_the_token_arrays_reads_nothing_beyond_them(kernels_behind_numpy):  # noqa: F811
     """A request whose range ends past the token arrays is reported and skipped by every
     write launch: the slots that happen to lie past out_cache_loc's end get no record and
-    no real-KV hash."""
-    from builders import make_context, make_sources, make_write_plan, ring_rows
+    no real-KV hash. (The plan's offsets do not start at 0, a corrupt plan: kc.write refuses
+    one as kc.plan makes it before any launch.)"""
+    from builders import make_context, make_sources, ring_rows
 
     sources = make_sources(1, 16, fill="random")
     ctx = make_context(num_slots=16, sources=sources, mode=kc.RealKvHashMode.ALL)
     tokens = np.array([5, 6, 7, 8, 9], np.int64)
     slots = np.array([1, 2, 3, 4, 5], np.int64)  # only the first 3 are passed
-    kc.write(ctx, make_write_plan([5], [-1]), input_ids=tokens[:3],
+    plan = kc.WritePlan(write_offsets=np.array([1, 5], np.int64),
+                        write_seed_slot_indices=np.array([-1], np.int64),
+                        write_num_valid_reqs=np.array([1], np.int32))
+    kc.write(ctx, plan, input_ids=tokens[:3],
              positions=np.arange(3, dtype=np.int64), out_cache_loc=slots[:3])
     oor = int(kc.FailReason.SLOT_OUT_OF_RANGE)
     assert [(row[1], row[6], row[7]) for row in ring_rows(ctx)] == [(-1, 5, oor)]

@@ -79,6 +79,14 @@ def test_write_equals_oracle(seed):
         exp_t[flip] += 1
         exp_p[rng.random(num_tokens) < 0.3] += 2
         expected = dict(expected_input_tokens=i64(exp_t), expected_input_positions=i64(exp_p))
+    active = max(0, min(int(plan.write_num_valid_reqs[0]), capacity))
+    used = offsets[: active + 1]
+    if active and used[0] == 0 and (np.diff(used) >= 0).all() and used[-1] > num_tokens:
+        # a plan as kc.plan makes it, covering more tokens than given: the caller's mistake
+        with pytest.raises(ValueError, match="entries but the write plan covers"):
+            kc.write(ctx, plan, input_ids=i64(tokens), positions=i64(positions),
+                     out_cache_loc=i64(loc), **expected)
+        return
     state = oracle.snapshot(ctx)
     oracle.write(state, ctx, plan, tokens, positions, loc,
                  expected.get("expected_input_tokens"), expected.get("expected_input_positions"))

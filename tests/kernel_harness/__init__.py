@@ -4,8 +4,9 @@ grid sequentially, its threads in forward, reverse or shuffled order. The launch
 and argument lists are kvcanary's own (``kvcanary.cuda.launch.Launcher``), so the tests
 exercise them too.
 
-Libraries are cached by a hash of every source and flag, under
-``$KVCANARY_HARNESS_CACHE`` or the system temp directory."""
+Libraries are cached by a hash of every source and flag, under ``$KVCANARY_HARNESS_CACHE`` or
+the user's own cache (``$XDG_CACHE_HOME/kvcanary/kernel-harness``, by default
+``~/.cache/kvcanary/kernel-harness``), never in a temp folder other users share."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -42,9 +42,12 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVCANARY_HARNESS_CACHE") or os.path.join(
-        tempfile.gettempdir(), "kvcanary-kernel-harness")
-    path = Path(root)
+    root = os.environ.get("KVCANARY_HARNESS_CACHE")
+    if root:
+        path = Path(root)
+    else:
+        user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+        path = Path(user_cache) / "kvcanary" / "kernel-harness"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
