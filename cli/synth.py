@@ -136,6 +136,8 @@ def synth_command(out, mode, backend, inject, force, **values):
     for kind, reason in skipped.items():
         click.echo(f"--inject all: skipped {kind}: {reason}")
     for fault in synthesis.faults:
-        click.echo(f"injected {fault.kind} at {fault.target}: request row "
-                   f"{fault.request_row}, position {fault.position}, slot {fault.slot}"
+        where = (f"request row {fault.request_row}" if fault.request_row >= 0 else
+                 "a prefix-cache sweep entry (no live request maps it)")
+        click.echo(f"injected {fault.kind} at {fault.target}: {where}, position "
+                   f"{fault.position}, slot {fault.slot}"
                    + (f" ({fault.note})" if fault.note else ""))

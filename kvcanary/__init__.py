@@ -4,7 +4,7 @@ A byte-compatible, torch-free implementation of SGLang's KV canary: a numpy refe
 CUDA kernels (compiled at run time through CuPy) behind one API. Importing kvcanary
 imports neither torch nor cupy."""
 
-from .api import plan, verify, write
+from .api import PlanReport, VerifyPlanTooSmall, entries_needed, plan, verify, write
 from .consts import (
     CANARY_CHAIN_ANCHOR,
     CANARY_SLOT_BYTES,
@@ -27,14 +27,17 @@ __all__ = [
     "MAX_REAL_KV_SOURCES",
     "MAX_REAL_KV_SOURCES_LIMIT",
     "CanaryContext",
+    "PlanReport",
     "FailReason",
     "LaunchTag",
     "RealKvHashMode",
     "RealKvSource",
     "VerifyPlan",
     "Violation",
+    "VerifyPlanTooSmall",
     "ViolationLog",
     "WritePlan",
+    "entries_needed",
     "plan",
     "splitmix64",
     "splitmix64_mix3",
