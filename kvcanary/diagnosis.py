@@ -320,6 +320,14 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
     owner_refs, parent_refs, parent_same = (), (), ()
     if evidence is not None:
         owner_refs, parent_refs, parent_same = _owners(v, entry, evidence)
+    if owner_refs and parent_same and bits & _POSITION:
+        return Diagnosis("shifted-mapping", (
+            f"{_where(entry)} reads slot {s}, a slot of a prefix it shares with "
+            f"{_names(owner_refs)}: the record there (position {v.position}) continues this "
+            f"request's own chain, so the table entry for position {entry.position} points at "
+            f"the slot of position {v.position} (a shift or swap); a double allocation of the "
+            f"shared slot fits the evidence too (ambiguous).{real_kv}"), certain=False,
+            alternatives=("shared-slot",), related=owner_refs)
     if owner_refs and bits & (_POSITION | _TOKEN | _CHAIN):
         mine = _where(entry)
         return Diagnosis("shared-slot", (
