@@ -253,6 +253,8 @@ def _where(entry: Entry) -> str:
 
 
 def _prev_where(entry: Entry) -> str:
+    if entry.kind == "unknown" or entry.prev_slot < 0:
+        return "the predecessor's slot (position one before)"
     text = f"the predecessor slot {entry.prev_slot} (position {entry.position - 1})"
     if entry.prev_block_index >= 0:
         text += f", block-table entry {entry.prev_block_index} (block {entry.prev_block})"
@@ -379,6 +381,20 @@ def _owners(v: Violation, entry: Entry, ev: Evidence) -> tuple:
 def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv) -> Diagnosis:
     s, p, q = v.slot_idx, entry.position, v.position
     bits = int(v.fail_reason_bits)
+    if entry.kind == "unknown":   # a log row alone: it does not carry the expected position
+        if bits & (_CHAIN | _TOKEN) == 0:
+            return Diagnosis("position-changed", (
+                f"slot {s} holds position {q} with the token and chain link its reader "
+                "expects, but not the expected position: the stored position changed after "
+                f"the write.{real_kv}"))
+        return Diagnosis("overwritten", (
+            f"slot {s} holds a record of position {q} that is not the one its reader "
+            "expects (position and chain link differ): the slot was rewritten by another "
+            "sequence while still mapped (a stale reuse or an evicted block), or the table "
+            "maps a shifted, swapped or doubly allocated slot — a log row alone cannot tell "
+            "these apart (ambiguous; `kvcanary audit` of a dump cross-references the "
+            f"tables).{real_kv}"), certain=False,
+            alternatives=("shifted-mapping", "shared-slot"))
     if same and entry.kind == "request":
         after = same[0]["stored_position"] + 1
         if after == q:
