@@ -123,7 +123,8 @@ def attribute(context, plan, *, req_pool_indices, prefix_lens, swa_window_size: 
     evidence = Evidence.from_entries(
         slots=slots, positions=positions, tokens=tokens, batch_index=batch,
         request_rows=batch_rows[batch], records=records,
-        failing=entry_of[entry_of >= 0], failing_slots=rows[:, 1])
+        failing=entry_of[entry_of >= 0], prev_slots=prevs, failing_slots=rows[:, 1],
+        failing_bits=rows[:, 7])
     table = None if block_table is None else to_host(block_table)
     stored = {}
     entries = []

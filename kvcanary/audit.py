@@ -47,7 +47,7 @@ from .consts import (
     LaunchTag,
 )
 from .diagnosis import (CHECK_WORDS, Diagnosis, Entry, Evidence, diagnose,  # noqa: F401
-                        failed_checks, likely_cause)
+                        failed_checks, likely_cause, or_by_slot)
 from .dump import Dump, load
 from .reference.plan import window_start
 from .reference.ring import canary_fields, violation_rows
@@ -544,13 +544,12 @@ class _Tally:
         self.reasons, self.tags = Counter(), Counter()
         self.findings: list = []
         self.requests: list = []
-        self.failing_slots: list = []      # per launch: the distinct slots of its rows
-        self.failing_entries: list = []    # per live launch: the entries that had a row
+        self.failing_slots: list = []      # per launch: (distinct slots of its rows, bits)
+        self.failing_entries: list = []    # per launch: the entries that had a row
 
     def add(self, rows: np.ndarray, entry_of: np.ndarray, launch: _Launch) -> None:
         if rows.shape[0] == 0:
-            if launch.live:
-                self.failing_entries.append(None)
+            self.failing_entries.append(None)
             return
         self.total += rows.shape[0]
         for value, count in zip(*(a.tolist() for a in _value_counts(rows[:, 7]))):
@@ -568,9 +567,9 @@ class _Tally:
         attributed[row_of[failing]] = True
         entry_of = np.where(attributed, entry_of, -1)
         self.unattributed += int(rows.shape[0] - failing.size)
-        self.failing_slots.append(np.unique(rows[:, 1]))
+        self.failing_slots.append(or_by_slot(rows[:, 1], rows[:, 7]))
+        self.failing_entries.append(failing)
         if launch.live:
-            self.failing_entries.append(failing)
             self._add_requests(failing, launch)
         else:
             self.sweep += int(failing.size)
@@ -625,6 +624,36 @@ class _Tally:
         result.unattributed = self.unattributed
 
 
+class _DumpTables:
+    """What a dump's tables say at (request row, position), for the diagnosis."""
+
+    def __init__(self, d: Dump):
+        self.dump = d
+
+    def slot(self, row: int, position: int) -> int | None:
+        """The table's full slot (before any SWA translation), or None past the table."""
+        d = self.dump
+        table = d.slot_table
+        column = position // d.block_size
+        if not (0 <= row < table.shape[0] and 0 <= column < table.shape[1] and position >= 0):
+            return None
+        slot = int(table[row, column])
+        if d.block_table is not None:
+            slot = slot * d.block_size + position % d.block_size if slot else 0
+        return slot
+
+    def token(self, row: int, position: int) -> int | None:
+        """The expected token at ``position`` of a batch's request row, or None."""
+        d = self.dump
+        pool = d.expected_tokens
+        if pool is None or not (0 <= row < pool.shape[0] and 0 <= position < pool.shape[1]):
+            return None
+        batch = np.flatnonzero(np.asarray(d.req_pool_indices) == row)
+        if batch.size == 0 or position >= int(d.expected_tokens_valid_lens[batch[0]]):
+            return None
+        return int(pool[row, position])
+
+
 def _block_of(d: Dump, row: int, position: int) -> dict:
     """Where a paged dump's position goes through its block table (nothing for per-token)."""
     if d.block_table is None:
@@ -654,23 +683,27 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, lengths: np.ndarray,
     if not findings:
         return findings, 0
     rows = np.stack([f.violation.to_row() for f in findings])
-    failing_slots = np.unique(np.concatenate(tally.failing_slots))
+    slot_bits = [np.concatenate(c) for c in zip(*tally.failing_slots)]
+    interest = np.concatenate([rows[:, 1], [f.prev_slot for f in findings]])
     fields = canary_fields(d.canary)
     parts = []
-    for launch, failing in zip(_live_launches(d, launcher, lengths, chunk),
-                               tally.failing_entries):
+    launches = itertools.chain(_live_launches(d, launcher, lengths, chunk),
+                               _sweep_launches(d, launcher, chunk))
+    for launch, failing in zip(launches, tally.failing_entries):
         e = launch.entries
+        # Sweep entries belong to no request: batch index and row -1 (one cached chain).
+        batch = launch.batch_index if launch.live else np.full(launch.size, -1, np.int64)
+        rows_of = np.asarray(d.req_pool_indices)[batch] if launch.live else batch
         evidence = Evidence.from_entries(
-            slots=e.slots, positions=e.positions, tokens=e.tokens,
-            batch_index=launch.batch_index,
-            request_rows=np.asarray(d.req_pool_indices)[launch.batch_index],
-            records=fields, failing=failing)
-        parts.append(evidence.select(rows[:, 1], rows[:, 5]))
-    evidence = Evidence.merge(parts, failing_slots)
+            slots=e.slots, positions=e.positions, tokens=e.tokens, batch_index=batch,
+            request_rows=rows_of, records=fields, failing=failing, prev_slots=e.prevs)
+        parts.append(evidence.select(interest, rows[:, 5]))
+    evidence = Evidence.merge(parts, *slot_bits)
     stored = {(f.batch_index, f.position): f.violation.position for f in findings
               if f.kind == "request"}
     swa = d.full_to_swa_index_mapping is not None
     table = "req_to_token" if d.block_table is None else "block_table"
+    tables = _DumpTables(d)
     result = []
     for f in findings:
         entry = f.entry()
@@ -679,7 +712,8 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, lengths: np.ndarray,
             entry = dataclasses.replace(entry, prev_block_index=prev["block_index"],
                                         prev_block=prev["block"])
         diagnosis = diagnose(f.violation, entry, evidence, num_slots=d.num_slots, swa=swa,
-                             table=table, swapped_with=lambda b, q: stored.get((b, q)))
+                             table=table, swapped_with=lambda b, q: stored.get((b, q)),
+                             tables=tables)
         result.append(dataclasses.replace(f, diagnosis=diagnosis, cause=diagnosis.text))
     return result, evidence.zero_entries
 

@@ -132,8 +132,9 @@ class Evidence:
     ``positions`` and ``tokens`` (-1 unknown), ``batch_index`` and ``request_rows``, and
     ``links``: the chain link of the record stored at the slot (what that record's successor
     must hold) and ``record_positions``, its stored position (0 where no records were
-    given); ``failing``: whether the entry produced a row itself. ``failing_slots`` (sorted)
-    are the slots that have a row; ``zero_entries`` of ``checked_entries`` read all-zero
+    given); ``failing``: whether the entry produced a row itself; ``prev_slots``: the
+    entry's predecessor slot. ``failing_slots`` (sorted) are the slots that have a row, and
+    ``failing_bits`` the fail reasons of their rows ORed; ``zero_entries`` of ``checked_entries`` read all-zero
     records. It may hold only the entries relevant to some rows (:meth:`select`)."""
 
     slots: np.ndarray
@@ -144,17 +145,22 @@ class Evidence:
     links: np.ndarray
     record_positions: np.ndarray
     failing: np.ndarray
+    prev_slots: np.ndarray
     failing_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    failing_bits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     zero_entries: int = 0
     checked_entries: int = 0
     has_records: bool = True
 
     @classmethod
     def from_entries(cls, *, slots, positions, tokens, batch_index, request_rows,
-                     records=None, failing=None, failing_slots=()) -> "Evidence":
+                     records=None, failing=None, prev_slots=None,
+                     failing_slots=(), failing_bits=None) -> "Evidence":
         """Tables of one batch's entries. ``records`` is the canary buffer's ``int64
         [num_slots, 4]`` field view (token, position, chain link, real-KV hash) or None;
-        ``failing`` a bool ``[n]`` (or entry indices) of the entries that produced a row."""
+        ``failing`` a bool ``[n]`` (or entry indices) of the entries that produced a row;
+        ``failing_slots`` / ``failing_bits`` the slot and fail bits of every row (or just
+        the slots)."""
         slots = np.asarray(slots, dtype=np.int64)
         n = slots.shape[0]
         links = np.zeros(n, dtype=np.int64)
@@ -178,7 +184,10 @@ class Evidence:
                    batch_index=np.asarray(batch_index, dtype=np.int64),
                    request_rows=np.asarray(request_rows, dtype=np.int64), links=links,
                    record_positions=stored_positions, failing=failed,
-                   failing_slots=np.unique(np.asarray(failing_slots, dtype=np.int64)),
+                   prev_slots=(np.full(n, -1, np.int64) if prev_slots is None
+                               else np.asarray(prev_slots, dtype=np.int64)),
+                   **dict(zip(("failing_slots", "failing_bits"),
+                              or_by_slot(failing_slots, failing_bits))),
                    zero_entries=zero, checked_entries=int(np.count_nonzero(slots > 0)),
                    has_records=records is not None)
 
@@ -189,16 +198,18 @@ class Evidence:
         if self.has_records:
             keep |= np.isin(self.links, np.asarray(links, dtype=np.int64))
         return Evidence(*(getattr(self, name)[keep] for name in _COLUMNS),
-                        failing_slots=self.failing_slots, zero_entries=self.zero_entries,
+                        failing_slots=self.failing_slots, failing_bits=self.failing_bits,
+                        zero_entries=self.zero_entries,
                         checked_entries=self.checked_entries, has_records=self.has_records)
 
     @classmethod
-    def merge(cls, parts: list, failing_slots=()) -> "Evidence":
+    def merge(cls, parts: list, failing_slots=(), failing_bits=None) -> "Evidence":
         """One table from several (e.g. the chunks of a dump)."""
         columns = [np.concatenate([getattr(p, name) for p in parts] or
                                   [np.zeros(0, dtype=bool if name == "failing" else np.int64)])
                    for name in _COLUMNS]
-        return cls(*columns, failing_slots=np.unique(np.asarray(failing_slots, dtype=np.int64)),
+        slots, bits = or_by_slot(failing_slots, failing_bits)
+        return cls(*columns, failing_slots=slots, failing_bits=bits,
                    zero_entries=sum(p.zero_entries for p in parts),
                    checked_entries=sum(p.checked_entries for p in parts),
                    has_records=all(p.has_records for p in parts))
@@ -223,14 +234,32 @@ class Evidence:
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self.links == chain_hash)
 
-    def fails(self, slot: int) -> bool:
+    def bits_at(self, slot: int) -> int:
+        """The fail reasons of the rows on ``slot``, ORed (0: no row)."""
         s = self.failing_slots
         at = int(np.searchsorted(s, slot))
-        return at < s.size and int(s[at]) == slot
+        return int(self.failing_bits[at]) if at < s.size and int(s[at]) == slot else 0
+
+    def prev_of(self, slot: int) -> int:
+        """The predecessor slot of an entry reading ``slot`` (-1 when none is known)."""
+        at = np.flatnonzero(self.slots == slot)
+        return int(self.prev_slots[at[0]]) if at.size else -1
 
 
 _COLUMNS = ("slots", "positions", "tokens", "batch_index", "request_rows", "links",
-            "record_positions", "failing")
+            "record_positions", "failing", "prev_slots")
+
+
+def or_by_slot(slots, bits=None) -> tuple:
+    """``(sorted distinct slots, their bits ORed)``; bits all-ones when not given."""
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    bits = (np.full(slots.shape, -1, np.int64) if bits is None
+            else np.asarray(bits, dtype=np.int64).reshape(-1))
+    order = np.argsort(slots, kind="stable")
+    slots, bits = slots[order], bits[order]
+    unique, starts = np.unique(slots, return_index=True)
+    merged = np.bitwise_or.reduceat(bits, starts) if slots.size else bits
+    return unique, merged
 
 
 def record_links(records: np.ndarray) -> np.ndarray:
@@ -286,11 +315,14 @@ def _slot_zero(swa: bool) -> str:
 
 def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None = None, *,
              num_slots: int = 0, swa: bool = False, table: str = "req_to_token",
-             swapped_with=None) -> Diagnosis:
+             swapped_with=None, tables=None) -> Diagnosis:
     """The cause of one ring row ``v`` read at ``entry`` (None: only the row is known),
     cross-referenced with ``evidence`` (None: no tables). ``swapped_with(batch_index,
     position)`` may return the stored position a row at that entry reports (or None): it
-    tells a swap from a shift.
+    tells a swap from a shift; ``tables`` (an object with ``slot(request_row, position)``,
+    the table's entry before any SWA translation, and ``token(request_row, position)``, the
+    expected token; each None when unknown) ties a record to the request's own chain
+    outside the verified window.
 
     >>> from kvcanary import Violation
     >>> diagnose(Violation(2, 5, 0, 0, -1, 0, 1, 1)).cause
@@ -321,15 +353,17 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
             "step's write"))
     owner_refs, parent_refs, parent_same = (), (), ()
     if evidence is not None:
-        owner_refs, parent_refs, parent_same = _owners(v, entry, evidence)
-    if owner_refs and parent_same and bits & _POSITION:
-        return Diagnosis("shifted-mapping", (
-            f"{_where(entry)} reads slot {s}, a slot of a prefix it shares with "
-            f"{_names(owner_refs)}: the record there (position {v.position}) continues this "
-            f"request's own chain, so the table entry for position {entry.position} points at "
-            f"the slot of position {v.position} (a shift or swap); a double allocation of the "
-            f"shared slot fits the evidence too (ambiguous).{real_kv}"), certain=False,
-            alternatives=("shared-slot",), related=owner_refs)
+        owner_refs, parent_refs, parent_same = _owners(v, entry, evidence, tables)
+    own = bool(parent_same) or _own_head(v, entry, evidence) or _own_token(v, entry, tables)
+    if owner_refs and own and bits & _POSITION and entry.kind == "request":
+        # The record is on this request's own chain too (a prefix it shares with the
+        # owner): a swap, or a shift onto a slot this request itself maps at that position.
+        swapped = swapped_with is not None and swapped_with(
+            entry.batch_index, v.position) == entry.position
+        shares = tables is not None and tables.slot(entry.request_row, v.position) == \
+            tables.slot(owner_refs[0]["request_row"], v.position)
+        if swapped or shares:
+            return _shifted(v, entry, swapped_with, real_kv, owner_refs)
     if owner_refs and bits & (_POSITION | _TOKEN | _CHAIN):
         mine = _where(entry)
         return Diagnosis("shared-slot", (
@@ -338,7 +372,8 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
             f"slot — a double allocation, or the slot was freed and reused while {mine} still "
             f"references it.{real_kv}"), related=owner_refs)
     if bits & _POSITION:
-        return _position(v, entry, evidence, parent_refs, parent_same, swapped_with, real_kv)
+        return _position(v, entry, evidence, parent_refs, parent_same, swapped_with, real_kv,
+                         tables)
     if bits & _TOKEN:
         if bits & _CHAIN:
             return Diagnosis("record-changed", (
@@ -362,23 +397,80 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
     return Diagnosis("unknown", "no check failed that the diagnosis knows", certain=False)
 
 
-def _owners(v: Violation, entry: Entry, ev: Evidence) -> tuple:
-    """``(owners, parents, same-request parents)``: other requests mapping the slot whose
-    expectation the stored record meets, and entries whose record the stored one continues."""
+def _owners(v: Violation, entry: Entry, ev: Evidence, tables=None) -> tuple:
+    """``(owners, parents, own parents)``: other requests mapping the slot whose expectation
+    the stored record meets; entries whose record the stored one continues; and those of
+    them on this request's own chain (same batch index, or the slot this request's table
+    maps at the stored position's predecessor)."""
+    parents = ev.parents(v.stored_chain_hash)
+    own = ev.batch_index[parents] == entry.batch_index
+    if tables is not None and entry.kind == "request" and v.position > 0 and parents.size:
+        # The predecessor's table entry is shared with the parent's request (a common
+        # prefix, e.g. outside this request's sliding window): the chain is this request's.
+        mine = tables.slot(entry.request_row, v.position - 1)
+        if mine is not None:
+            own |= np.array([int(ev.request_rows[i]) >= 0 and tables.slot(
+                int(ev.request_rows[i]), int(ev.positions[i])) == mine
+                for i in parents.tolist()], dtype=bool)
     users = ev.users(v.slot_idx)
     other = users[(ev.batch_index[users] != entry.batch_index)
                   & (ev.positions[users] == v.position) & ~ev.failing[users]]
     known = ev.tokens[other] != EXPECTED_TOKEN_UNKNOWN
     other = other[~known | (ev.tokens[other] == v.stored_token)]
-    parents = ev.parents(v.stored_chain_hash)
+    # Evidence of another owner only where its expectation differs from this entry's (a
+    # shared prefix slot read at the same position and token is no double allocation), or
+    # where the record continues the owner's chain and not this request's.
+    differs = ev.positions[other] != entry.position
+    if v.expected_token != EXPECTED_TOKEN_UNKNOWN:
+        differs |= (ev.tokens[other] != EXPECTED_TOKEN_UNKNOWN) & (
+            ev.tokens[other] != v.expected_token)
+    if parents.size and not own.any():
+        differs |= np.isin(ev.batch_index[other], ev.batch_index[parents])
+    other = other[differs]
     if parents.size and other.size:   # the record continues a record of the owner
         owned = np.isin(ev.batch_index[other], ev.batch_index[parents])
         other = other[owned] if owned.any() else other
-    same = parents[ev.batch_index[parents] == entry.batch_index]
-    return ev._refs(other), ev._refs(parents), ev._refs(same, stored=True)
+    return ev._refs(other), ev._refs(parents, stored=True), ev._refs(parents[own], stored=True)
 
 
-def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv) -> Diagnosis:
+def _own_head(v: Violation, entry: Entry, ev) -> bool | None:
+    """Whether a chain-head record of position 0 is this request's own (its expected token
+    at position 0 matches; None: the token is unknown)."""
+    if ev is None or v.position != 0 or v.stored_chain_hash != _CHAIN_HEAD_I64:
+        return False
+    at = np.flatnonzero((ev.batch_index == entry.batch_index) & (ev.positions == 0))
+    tokens = ev.tokens[at]
+    tokens = tokens[tokens != EXPECTED_TOKEN_UNKNOWN]
+    if tokens.size == 0:
+        return None
+    return bool(tokens[0] == v.stored_token)
+
+
+def _own_token(v: Violation, entry: Entry, tables) -> bool:
+    """Whether the stored token is this request's own expected token at the stored position."""
+    return (tables is not None and entry.kind == "request"
+            and v.expected_token != EXPECTED_TOKEN_UNKNOWN
+            and tables.token(entry.request_row, v.position) == v.stored_token)
+
+
+def _shifted(v, entry: Entry, swapped_with, real_kv, related=(), certain=True) -> Diagnosis:
+    s, p, q = v.slot_idx, entry.position, v.position
+    stored = swapped_with(entry.batch_index, q) if swapped_with else None
+    how = (f"swapped with position {q} (whose entry reads position {p}'s record)"
+           if stored == p else f"shifted by {q - p:+d}")
+    whose = "this request's own" if entry.kind == "request" else "the same cached chain's"
+    return Diagnosis("shifted-mapping", (
+        f"{_where(entry)} reads slot {s}, which holds {whose} record of position {q} (its "
+        f"chain continues this request's position {q - 1}" if q > 0 else
+        f"{_where(entry)} reads slot {s}, which holds {whose} record of position 0 (its chain "
+        "head, with this request's token"
+    ) + f"): the mapping is {how} — the table entry for position {p} points at the slot of "
+        f"position {q}.{real_kv}", certain=certain,
+        alternatives=() if certain else ("overwritten",), related=tuple(related[:1]))
+
+
+def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv,
+              tables=None) -> Diagnosis:
     s, p, q = v.slot_idx, entry.position, v.position
     bits = int(v.fail_reason_bits)
     if entry.kind == "unknown":   # a log row alone: it does not carry the expected position
@@ -395,31 +487,35 @@ def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv) -> Diag
             "these apart (ambiguous; `kvcanary audit` of a dump cross-references the "
             f"tables).{real_kv}"), certain=False,
             alternatives=("shifted-mapping", "shared-slot"))
-    if same and entry.kind == "request":
-        after = same[0]["stored_position"] + 1
-        if after == q:
-            k = q - p
-            stored = swapped_with(entry.batch_index, q) if swapped_with else None
-            how = (f"swapped with position {q} (whose entry reads position {p}'s record)"
-                   if stored == p else f"shifted by {k:+d}")
-            return Diagnosis("shifted-mapping", (
-                f"{_where(entry)} reads slot {s}, which holds this request's own record of "
-                f"position {q} (its chain link continues position {q - 1} of the request): "
-                f"the mapping is {how} — the table entry for position {p} points at the slot "
-                f"of position {q}.{real_kv}"), related=same[:1])
-        return Diagnosis("position-changed", (
-            f"slot {s} holds this request's record continuing position {after - 1} (its chain "
-            f"link), so it was written as position {after}, but it now says position {q}: the "
-            f"stored position changed after the write.{real_kv}"), related=same[:1])
     if parents:
+        after = parents[0]["stored_position"] + 1
+        whose = "this request's chain" if same else _names(parents)
+        if after != q:
+            return Diagnosis("position-changed", (
+                f"slot {s} holds the record continuing position {after - 1} of {whose} (its "
+                f"chain link), so it was written as position {after}, but it now says position "
+                f"{q}: the stored position changed after the write.{real_kv}"),
+                related=tuple((same or parents)[:1]))
+        if same or _own_token(v, entry, tables):
+            # Chains are content hashes: a record continuing another request's identical
+            # prefix, holding this request's own token at q, is this request's record.
+            return _shifted(v, entry, swapped_with, real_kv, same or parents)
         return Diagnosis("overwritten", (
             f"slot {s} holds the record of position {q} continuing {_names(parents)}, not "
             f"{_where(entry)}'s: the slot was rewritten for that sequence while this entry "
             f"still maps it (a reuse while still referenced).{real_kv}"), related=parents)
+    own_head = _own_head(v, entry, ev)
+    if own_head or (own_head is None and entry.kind == "sweep"):
+        return _shifted(v, entry, swapped_with, real_kv, certain=bool(own_head))
+    if q != p and _own_token(v, entry, tables):
+        # No verified record continues into it (its predecessor left the window), but it
+        # holds this request's own token of position q.
+        return _shifted(v, entry, swapped_with, real_kv)
     if bits & (_CHAIN | _TOKEN) == 0:
         token = "token" if v.expected_token != EXPECTED_TOKEN_UNKNOWN else "token (unchecked)"
-        certain = v.expected_token != EXPECTED_TOKEN_UNKNOWN or (
-            ev is not None and ev.has_records)
+        # A passing link ties a non-head record to this entry's predecessor; a chain head
+        # with no token check could as well be another sequence's head written here.
+        certain = v.expected_token != EXPECTED_TOKEN_UNKNOWN or entry.prev_slot >= 0
         return Diagnosis("position-changed", (
             f"slot {s} holds position {q} where {_where(entry)} expects {p}, with the {token} "
             f"and chain link of this entry: the stored position changed after the write"
@@ -451,15 +547,43 @@ def _chain_only(v: Violation, entry: Entry, ev, real_kv) -> Diagnosis:
             f"{_prev_where(entry)} changed or was remapped after this token was written, or "
             f"this record's own chain link was altered.{real_kv}"), certain=False,
             alternatives=("link-changed",))
-    if ev.fails(entry.prev_slot):
+    if _predecessor_changed(ev, entry.prev_slot):
         return Diagnosis("predecessor-changed", (
             f"only the chain link of slot {s} fails (token and position right) and "
             f"{_prev_where(entry)} has a finding of its own: the predecessor's record changed "
             f"after this token was written; this row follows from that one.{real_kv}"))
     return Diagnosis("link-changed", (
-        f"only the chain link of slot {s} fails (token and position right) while "
-        f"{_prev_where(entry)} passes its own checks: this record's stored chain link changed "
-        f"after the write.{real_kv}"))
+        f"only the chain link of slot {s} fails (token and position right) while the record "
+        f"at {_prev_where(entry)} is intact: this record's stored chain link changed after "
+        f"the write.{real_kv}"))
+
+
+# Chain-only findings followed back from one row at most.
+CHAIN_WALK = 64
+
+
+def _predecessor_changed(ev: Evidence, prev: int) -> bool:
+    """Whether the record at ``prev`` changed (so a chain-only row after it follows from it).
+
+    A content finding (token or position) there changed it. A chain-only finding there is
+    either its own link field changed (which changes ours) or the victim of its own
+    predecessor: along a run of chain-only findings, owners and victims alternate from the
+    first record before the run (a content change starts with a victim, an intact record
+    with an owner)."""
+    content = _TOKEN | _POSITION
+    run, slot = 0, prev
+    while run < CHAIN_WALK and slot > 0:
+        bits = ev.bits_at(slot)
+        if bits & content or not bits & _CHAIN:
+            break
+        run += 1
+        slot = ev.prev_of(slot)
+    if run == 0:
+        return bool(slot > 0 and ev.bits_at(slot) & content)
+    base_changed = slot > 0 and bool(ev.bits_at(slot) & content)
+    # The run's records from the base: with a changed base the first is a victim, so the
+    # predecessor (the run's last) changed iff the run's length is even; else iff odd.
+    return run % 2 == (0 if base_changed else 1)
 
 
 def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
