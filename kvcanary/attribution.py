@@ -76,7 +76,7 @@ class LaunchFinding:
         record = self.violation.to_dict()
         e = self.entry
         record.update(launch=self.launch, failed_checks=list(self.checks),
-                      likely_cause=self.diagnosis.text, diagnosis=self.diagnosis.to_dict())
+                      likely_cause=self.diagnosis.text, diagnosis=self.diagnosis.to_dict(text=False))
         if e is not None:
             record.update(batch_index=e.batch_index, request_row=e.request_row,
                           expected_position=e.position, prev_slot=e.prev_slot)

@@ -132,7 +132,7 @@ class Finding:
                       prev_slot=self.prev_slot, sweep_index=self.sweep_index,
                       failed_checks=list(self.checks), likely_cause=self.cause)
         if self.diagnosis is not None:
-            record["diagnosis"] = self.diagnosis.to_dict()
+            record["diagnosis"] = self.diagnosis.to_dict(text=False)
         if self.block_index >= 0:
             record.update(block_index=self.block_index, block=self.block)
         return record

@@ -119,9 +119,17 @@ class Diagnosis:
     alternatives: tuple = ()
     related: tuple = ()
 
-    def to_dict(self) -> dict:
-        return {"cause": self.cause, "explanation": self.text, "certain": self.certain,
-                "alternatives": list(self.alternatives), "related": list(self.related)}
+    def to_dict(self, text: bool = True) -> dict:
+        """JSON-ready; ``text=False`` leaves the explanation out (a record that carries it
+        already as ``likely_cause``)."""
+        record = {"cause": self.cause, "certain": self.certain}
+        if text:
+            record["explanation"] = self.text
+        if self.alternatives:
+            record["alternatives"] = list(self.alternatives)
+        if self.related:
+            record["related"] = list(self.related)
+        return record
 
 
 @dataclass
@@ -496,10 +504,16 @@ def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv,
                 f"chain link), so it was written as position {after}, but it now says position "
                 f"{q}: the stored position changed after the write.{real_kv}"),
                 related=tuple((same or parents)[:1]))
-        if same or _own_token(v, entry, tables):
-            # Chains are content hashes: a record continuing another request's identical
-            # prefix, holding this request's own token at q, is this request's record.
-            return _shifted(v, entry, swapped_with, real_kv, same or parents)
+        in_place = [r for r in same if r["stored_position"] == r["position"]]
+        own_token = _own_token(v, entry, tables)
+        if in_place or own_token:
+            # Chains are content hashes: a record continuing this request's chain where it
+            # reads it in place, or holding this request's own token at q, is its own.
+            return _shifted(v, entry, swapped_with, real_kv, in_place or same or parents)
+        if same and v.expected_token == EXPECTED_TOKEN_UNKNOWN:
+            # A run of displaced records: a shift of a range, or a block rewritten by
+            # another sequence; only a token check tells them apart.
+            return _shifted(v, entry, swapped_with, real_kv, same, certain=False)
         return Diagnosis("overwritten", (
             f"slot {s} holds the record of position {q} continuing {_names(parents)}, not "
             f"{_where(entry)}'s: the slot was rewritten for that sequence while this entry "

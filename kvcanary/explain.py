@@ -238,7 +238,7 @@ class ExplainedFinding:
                       launch_tags=list(self.launch_tags), counts_by_tag=dict(self.tag_counts),
                       sources=list(self.sources),
                       failed_checks=list(failed_checks(self.violation.fail_reason_bits)),
-                      likely_cause=self.diagnosis.text, diagnosis=self.diagnosis.to_dict(),
+                      likely_cause=self.diagnosis.text, diagnosis=self.diagnosis.to_dict(text=False),
                       patterns=list(self.patterns))
         if self.row.attribution:
             record.update({k: v for k, v in self.row.attribution.items() if k != "dump"})

@@ -81,11 +81,15 @@ def run_one(index: int, seed: int, layout: str, counts: dict, misses: list,
         if kind in skip:
             continue
         for target in targets:
-            synthesis = copy.deepcopy(clean)
-            try:
-                made = synthesis.inject_up_to(kind, PER_INJECTION, target)
-            except SynthError:
-                continue
+            made = []
+            for count in (PER_INJECTION, 1):   # paged injectors place all or none
+                synthesis = copy.deepcopy(clean)
+                try:
+                    made = (synthesis.inject(kind, count) if layout == "paged"
+                            else synthesis.inject_up_to(kind, count, target))
+                    break
+                except SynthError:
+                    continue
             if not made:
                 continue
             path = save(os.path.join(scratch, "d.npz"), **synthesis.arrays())

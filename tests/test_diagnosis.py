@@ -14,7 +14,6 @@ from test_audit import build, fields, run
 
 import kvcanary as kc
 from kvcanary.cli.main import main
-from kvcanary.diagnosis import Entry, diagnose
 from kvcanary.dump import load
 from kvcanary.synth import SynthConfig, Synthesis
 
@@ -203,6 +202,8 @@ def test_log_line_without_attribution_is_the_frozen_line():
 
 
 def test_diagnosis_without_evidence_says_when_it_is_ambiguous():
+    from kvcanary.diagnosis import Entry, diagnose
+
     v = kc.Violation(2, 5, 7, 3, -1, 11, 12, int(kc.FailReason.VERIFY_POSITION_MISMATCH
                                                   | kc.FailReason.VERIFY_CHAIN_HASH_MISMATCH))
     d = diagnose(v, Entry(position=2, prev_slot=4))
