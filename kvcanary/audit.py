@@ -237,9 +237,6 @@ class AuditResult:
                 if f.kind == "request" and f.request_row == request_row and f.position == position]
 
 
-# --------------------------------------------------------------------------- explanation
-
-
 # --------------------------------------------------------------------------- the audit
 
 
@@ -601,14 +598,14 @@ class _Tally:
     def _finding(self, v: Violation, entry: int, launch: _Launch) -> Finding:
         d, e = self.dump, launch.entries
         if entry < 0:
-            return _finding(v, "unattributed", d.num_slots)
+            return _finding(v, "unattributed")
         where = dict(position=int(e.positions[entry]), prev_slot=int(e.prevs[entry]))
         if not launch.live:
-            return _finding(v, "sweep", d.num_slots, sweep_index=launch.sweep_begin + entry,
+            return _finding(v, "sweep", sweep_index=launch.sweep_begin + entry,
                             **where)
         b = int(launch.batch_index[entry])
         row = int(d.req_pool_indices[b])
-        return _finding(v, "request", d.num_slots, batch_index=b, request_row=row, **where,
+        return _finding(v, "request", batch_index=b, request_row=row, **where,
                         **_block_of(d, row, where["position"]))
 
     def fill(self, result: "AuditResult") -> None:
@@ -663,7 +660,7 @@ def _block_of(d: Dump, row: int, position: int) -> dict:
     return {"block_index": index, "block": int(d.block_table[row, index]) if inside else -1}
 
 
-def _finding(v: Violation, kind: str, num_slots: int, **where) -> Finding:
+def _finding(v: Violation, kind: str, **where) -> Finding:
     """A finding without its diagnosis yet (:func:`_diagnose` adds it after the loop)."""
     return Finding(violation=v, kind=kind, checks=failed_checks(v.fail_reason_bits), **where)
 
