@@ -249,3 +249,16 @@ def test_a_too_small_verify_plan_warns_once_per_plan_and_strict_raises():
 def test_allocate_docstring_gives_the_sizing_rule():
     doc = kc.VerifyPlan.allocate.__doc__
     assert "sum(prefix_len - window_start)" in doc and "entries_needed" in doc
+
+
+def test_on_a_paged_table_a_broken_link_names_the_predecessors_block_table_entry(tmp_path):
+    synthesis = Synthesis(SynthConfig(requests=16, seed=5, block_size=16, page_size=16,
+                                      num_slots=2048))
+    synthesis.run()
+    (fault,) = synthesis.inject("token", 1)
+    result = kc_audit(load(kc_save(tmp_path, synthesis)))
+    after = next(f for f in result.findings
+                 if (f.request_row, f.position) == (fault.request_row, fault.position + 1))
+    assert after.diagnosis.cause == "predecessor-changed"
+    index = fault.position // 16
+    assert f"block-table entry {index} (block " in after.cause
