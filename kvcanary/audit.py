@@ -47,7 +47,7 @@ from .consts import (
     LaunchTag,
 )
 from .diagnosis import (CHECK_WORDS, Diagnosis, Entry, Evidence, diagnose,  # noqa: F401
-                        failed_checks, likely_cause, or_by_slot)
+                        failed_checks, likely_cause, or_by_slot, record_links)
 from .dump import Dump, load
 from .reference.plan import window_start
 from .reference.ring import canary_fields, violation_rows
@@ -541,8 +541,10 @@ class _Tally:
         self.reasons, self.tags = Counter(), Counter()
         self.findings: list = []
         self.requests: list = []
-        self.failing_slots: list = []      # per launch: (distinct slots of its rows, bits)
-        self.failing_entries: list = []    # per launch: the entries that had a row
+        # Fail bits ORed per canary slot (allocated at the first row), and per launch which
+        # entries had a row.
+        self.slot_bits = np.zeros(0, dtype=np.int64)
+        self.failing_entries: list = []
 
     def add(self, rows: np.ndarray, entry_of: np.ndarray, launch: _Launch) -> None:
         if rows.shape[0] == 0:
@@ -564,8 +566,14 @@ class _Tally:
         attributed[row_of[failing]] = True
         entry_of = np.where(attributed, entry_of, -1)
         self.unattributed += int(rows.shape[0] - failing.size)
-        self.failing_slots.append(or_by_slot(rows[:, 1], rows[:, 7]))
-        self.failing_entries.append(failing)
+        if self.slot_bits.size == 0:
+            self.slot_bits = np.zeros(self.dump.num_slots, dtype=np.int64)
+        inside = (rows[:, 1] >= 0) & (rows[:, 1] < self.dump.num_slots)
+        slots, bits = or_by_slot(rows[inside, 1], rows[inside, 7])
+        self.slot_bits[slots] |= bits
+        mask = np.zeros(launch.size, dtype=bool)
+        mask[failing] = True
+        self.failing_entries.append(mask)
         if launch.live:
             self._add_requests(failing, launch)
         else:
@@ -680,22 +688,37 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, lengths: np.ndarray,
     if not findings:
         return findings, 0
     rows = np.stack([f.violation.to_row() for f in findings])
-    slot_bits = [np.concatenate(c) for c in zip(*tally.failing_slots)]
-    interest = np.concatenate([rows[:, 1], [f.prev_slot for f in findings]])
     fields = canary_fields(d.canary)
-    parts = []
+    zero = ~fields.any(axis=1)
+    zero[:1] = False   # slot 0 is padding: never counted
+    # Records whose link a finding's stored link equals: their readers are its parents.
+    parents = np.flatnonzero(np.isin(_slot_links(fields), rows[:, 5]))
+    interest = np.unique(np.concatenate([rows[:, 1], [f.prev_slot for f in findings],
+                                         parents]))
+    parts, zero_entries, checked = [], 0, 0
     launches = itertools.chain(_live_launches(d, launcher, lengths, chunk),
                                _sweep_launches(d, launcher, chunk))
     for launch, failing in zip(launches, tally.failing_entries):
         e = launch.entries
+        inside = (e.slots > 0) & (e.slots < d.num_slots)
+        if launch.live:
+            zero_entries += int(np.count_nonzero(np.take(zero, np.where(inside, e.slots, 0))))
+            checked += int(np.count_nonzero(e.slots > 0))
+        keep = np.flatnonzero(np.isin(e.slots, interest))
         # Sweep entries belong to no request: batch index and row -1 (one cached chain).
-        batch = launch.batch_index if launch.live else np.full(launch.size, -1, np.int64)
-        rows_of = np.asarray(d.req_pool_indices)[batch] if launch.live else batch
-        evidence = Evidence.from_entries(
-            slots=e.slots, positions=e.positions, tokens=e.tokens, batch_index=batch,
-            request_rows=rows_of, records=fields, failing=failing, prev_slots=e.prevs)
-        parts.append(evidence.select(interest, rows[:, 5]))
-    evidence = Evidence.merge(parts, *slot_bits)
+        batch = launch.batch_index[keep] if launch.live else np.full(keep.size, -1, np.int64)
+        parts.append(Evidence.from_entries(
+            slots=e.slots[keep], positions=e.positions[keep], tokens=e.tokens[keep],
+            batch_index=batch,
+            request_rows=np.asarray(d.req_pool_indices)[batch] if launch.live else batch,
+            records=fields, failing=None if failing is None else failing[keep],
+            prev_slots=e.prevs[keep]))
+    evidence = Evidence.merge(parts)
+    asked = np.unique(np.concatenate([interest, evidence.prev_slots]))
+    asked = asked[(asked >= 0) & (asked < d.num_slots)]
+    evidence.failing_slots, evidence.failing_bits = asked[tally.slot_bits[asked] != 0], \
+        tally.slot_bits[asked][tally.slot_bits[asked] != 0].astype(np.int64)
+    evidence.zero_entries, evidence.checked_entries = zero_entries, checked
     stored = {(f.batch_index, f.position): f.violation.position for f in findings
               if f.kind == "request"}
     swa = d.full_to_swa_index_mapping is not None
@@ -712,7 +735,15 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, lengths: np.ndarray,
                              table=table, swapped_with=lambda b, q: stored.get((b, q)),
                              tables=tables)
         result.append(dataclasses.replace(f, diagnosis=diagnosis, cause=diagnosis.text))
-    return result, evidence.zero_entries
+    return result, zero_entries
+
+
+def _slot_links(fields: np.ndarray) -> np.ndarray:
+    """The chain link of every slot's record, block by block (bounded scratch memory)."""
+    links = np.empty(fields.shape[0], dtype=np.int64)
+    for begin in range(0, fields.shape[0], CHUNK_ENTRIES):
+        links[begin:begin + CHUNK_ENTRIES] = record_links(fields[begin:begin + CHUNK_ENTRIES])
+    return links
 
 
 # ------------------------------------------------------------ the loop

@@ -143,7 +143,8 @@ class Evidence:
     given); ``failing``: whether the entry produced a row itself; ``prev_slots``: the
     entry's predecessor slot. ``failing_slots`` (sorted) are the slots that have a row, and
     ``failing_bits`` the fail reasons of their rows ORed; ``zero_entries`` of ``checked_entries`` read all-zero
-    records. It may hold only the entries relevant to some rows (:meth:`select`)."""
+    records. It may hold only the entries relevant to some rows (the audit keeps those that
+    read a finding's slot, its predecessor or a record its record continues)."""
 
     slots: np.ndarray
     positions: np.ndarray
@@ -198,17 +199,6 @@ class Evidence:
                               or_by_slot(failing_slots, failing_bits))),
                    zero_entries=zero, checked_entries=int(np.count_nonzero(slots > 0)),
                    has_records=records is not None)
-
-    def select(self, slots, links) -> "Evidence":
-        """Only the entries that read one of ``slots`` or whose record's link is in
-        ``links``: what :func:`diagnose` asks about rows on those slots and hashes."""
-        keep = np.isin(self.slots, np.asarray(slots, dtype=np.int64))
-        if self.has_records:
-            keep |= np.isin(self.links, np.asarray(links, dtype=np.int64))
-        return Evidence(*(getattr(self, name)[keep] for name in _COLUMNS),
-                        failing_slots=self.failing_slots, failing_bits=self.failing_bits,
-                        zero_entries=self.zero_entries,
-                        checked_entries=self.checked_entries, has_records=self.has_records)
 
     @classmethod
     def merge(cls, parts: list, failing_slots=(), failing_bits=None) -> "Evidence":
@@ -280,7 +270,9 @@ def record_links(records: np.ndarray) -> np.ndarray:
 
 def _names(refs: tuple) -> str:
     shown = [f"request row {r['request_row']} (batch index {r['batch_index']}, position "
-             f"{r['position']})" for r in refs[:NAMED_REQUESTS]]
+             f"{r['position']})" if r["request_row"] >= 0 else
+             f"a prefix-cache sweep entry (position {r['position']})"
+             for r in refs[:NAMED_REQUESTS]]
     more = len(refs) - len(shown)
     return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
@@ -421,7 +413,7 @@ def _owners(v: Violation, entry: Entry, ev: Evidence, tables=None) -> tuple:
                 int(ev.request_rows[i]), int(ev.positions[i])) == mine
                 for i in parents.tolist()], dtype=bool)
     users = ev.users(v.slot_idx)
-    other = users[(ev.batch_index[users] != entry.batch_index)
+    other = users[(ev.batch_index[users] != entry.batch_index) & (ev.request_rows[users] >= 0)
                   & (ev.positions[users] == v.position) & ~ev.failing[users]]
     known = ev.tokens[other] != EXPECTED_TOKEN_UNKNOWN
     other = other[~known | (ev.tokens[other] == v.stored_token)]
