@@ -47,7 +47,7 @@ from .consts import (
     LaunchTag,
 )
 from .diagnosis import (CHECK_WORDS, Diagnosis, Entry, Evidence, diagnose,  # noqa: F401
-                        failed_checks, likely_cause, or_by_slot, record_links)
+                        failed_checks, likely_cause, record_links)
 from .dump import Dump, load
 from .reference.plan import window_start
 from .reference.ring import canary_fields, violation_rows
@@ -569,8 +569,9 @@ class _Tally:
         if self.slot_bits.size == 0:
             self.slot_bits = np.zeros(self.dump.num_slots, dtype=np.int64)
         inside = (rows[:, 1] >= 0) & (rows[:, 1] < self.dump.num_slots)
-        slots, bits = or_by_slot(rows[inside, 1], rows[inside, 7])
-        self.slot_bits[slots] |= bits
+        slots, bits = rows[inside, 1], rows[inside, 7]
+        for value in _value_counts(bits)[0].tolist():   # a few distinct reason sets
+            self.slot_bits[slots[bits == value]] |= value
         mask = np.zeros(launch.size, dtype=bool)
         mask[failing] = True
         self.failing_entries.append(mask)
@@ -689,22 +690,30 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, lengths: np.ndarray,
         return findings, 0
     rows = np.stack([f.violation.to_row() for f in findings])
     fields = canary_fields(d.canary)
-    zero = ~fields.any(axis=1)
-    zero[:1] = False   # slot 0 is padding: never counted
+    # Zero records are counted only when a finding reads one (the wrong-buffer question).
+    zero = None
+    if np.any((rows[:, 2] == 0) & (rows[:, 3] == 0) & (rows[:, 5] == 0)):
+        zero = ~fields.any(axis=1)
+        zero[:1] = False   # slot 0 is padding: never counted
     # Records whose link a finding's stored link equals: their readers are its parents.
-    parents = np.flatnonzero(np.isin(_slot_links(fields), rows[:, 5]))
-    interest = np.unique(np.concatenate([rows[:, 1], [f.prev_slot for f in findings],
-                                         parents]))
+    parents = _equal_to_any(_slot_links(fields), rows[:, 5])
+    interest = np.concatenate([rows[:, 1], [f.prev_slot for f in findings], parents])
+    marked = np.zeros(d.num_slots, dtype=bool)
+    marked[interest[(interest >= 0) & (interest < d.num_slots)]] = True
     parts, zero_entries, checked = [], 0, 0
     launches = itertools.chain(_live_launches(d, launcher, lengths, chunk),
                                _sweep_launches(d, launcher, chunk))
     for launch, failing in zip(launches, tally.failing_entries):
         e = launch.entries
         inside = (e.slots > 0) & (e.slots < d.num_slots)
-        if launch.live:
-            zero_entries += int(np.count_nonzero(np.take(zero, np.where(inside, e.slots, 0))))
+        at_slot = np.where(inside, e.slots, 0)
+        if launch.live and zero is not None:
+            zero_entries += int(np.count_nonzero(np.take(zero, at_slot)))
             checked += int(np.count_nonzero(e.slots > 0))
-        keep = np.flatnonzero(np.isin(e.slots, interest))
+        keep = np.flatnonzero(np.take(marked, at_slot))
+        outside = np.flatnonzero(~inside)
+        if outside.size:
+            keep = np.union1d(keep, outside[np.isin(e.slots[outside], interest)])
         # Sweep entries belong to no request: batch index and row -1 (one cached chain).
         batch = launch.batch_index[keep] if launch.live else np.full(keep.size, -1, np.int64)
         parts.append(Evidence.from_entries(
@@ -714,7 +723,7 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, lengths: np.ndarray,
             records=fields, failing=None if failing is None else failing[keep],
             prev_slots=e.prevs[keep]))
     evidence = Evidence.merge(parts)
-    asked = np.unique(np.concatenate([interest, evidence.prev_slots]))
+    asked = np.unique(np.concatenate([interest, evidence.prev_slots]).astype(np.int64))
     asked = asked[(asked >= 0) & (asked < d.num_slots)]
     evidence.failing_slots, evidence.failing_bits = asked[tally.slot_bits[asked] != 0], \
         tally.slot_bits[asked][tally.slot_bits[asked] != 0].astype(np.int64)
@@ -736,6 +745,20 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, lengths: np.ndarray,
                              tables=tables)
         result.append(dataclasses.replace(f, diagnosis=diagnosis, cause=diagnosis.text))
     return result, zero_entries
+
+
+# Low bits of a hash that index the filter of :func:`_equal_to_any`.
+_FILTER_BITS = 20
+
+
+def _equal_to_any(values: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Indices of ``values`` (uniform hashes) equal to one of a few ``targets``: a bit table
+    on the low bits picks the candidates in one pass, an exact test confirms them."""
+    mask = (1 << _FILTER_BITS) - 1
+    table = np.zeros(1 << _FILTER_BITS, dtype=bool)
+    table[targets & mask] = True
+    candidates = np.flatnonzero(np.take(table, values & mask))
+    return candidates[np.isin(values[candidates], targets)]
 
 
 def _slot_links(fields: np.ndarray) -> np.ndarray:
