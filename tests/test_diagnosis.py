@@ -262,3 +262,23 @@ def test_on_a_paged_table_a_broken_link_names_the_predecessors_block_table_entry
     assert after.diagnosis.cause == "predecessor-changed"
     index = fault.position // 16
     assert f"block-table entry {index} (block " in after.cause
+
+
+def test_engine_rows_on_a_slot_two_requests_share_go_to_both_requests():
+    from builders import i64
+
+    context, table = toy_engine()
+    table[2, :2] = [1, 2]      # row 2 shares row 1's first two slots (a cached prefix)
+    fields = context.canary_buf.view("<i8")[:, :4]
+    # Row 2's own records at positions 2, 3 continue the shared prefix: rewrite them so.
+    engine_step(context, table, i64([2]), i64([2]), i64([2]), i64([19, 20]), i64([2, 3]),
+                i64([13, 14]), verify=False)
+    fields[2, 2] ^= 1          # the shared record of position 1: its own link changed
+    vp = kc.VerifyPlan.allocate(64)
+    kc.plan(req_pool_indices=i64([1, 2]), prefix_lens=i64([4, 4]), extend_seq_lens=i64([0, 0]),
+            req_to_token=table, verify_plan=vp, write_plan=kc.WritePlan.allocate(2))
+    kc.verify(context, vp)
+    found = kc.attribute(context, vp, req_pool_indices=i64([1, 2]), prefix_lens=i64([4, 4]))
+    on_shared = [f for f in found if f.violation.slot_idx == 2]
+    assert sorted(f.entry.request_row for f in on_shared) == [1, 2]
+    assert {f.diagnosis.cause for f in on_shared} == {"link-changed"}
