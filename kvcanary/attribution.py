@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .consts import EXPECTED_TOKEN_UNKNOWN, FailReason
-from .diagnosis import Diagnosis, Entry, Evidence, diagnose, failed_checks
-from .hashing import CHAIN_HEAD
+from .diagnosis import CHAIN_HEAD_INT64, Diagnosis, Entry, Evidence, diagnose, failed_checks, \
+    record_links
 from .reference.plan import window_start
 from .reference.ring import canary_fields
 from .reference.verify import active_entries
@@ -40,7 +40,6 @@ from .types import to_host
 from .violations import Violation
 
 _OUT = int(FailReason.SLOT_OUT_OF_RANGE)
-_CHAIN_HEAD_I64 = int(np.uint64(CHAIN_HEAD).view(np.int64))
 
 
 @dataclass(frozen=True)
@@ -203,12 +202,10 @@ def _match(rows, slots, prevs, positions, tokens, records) -> np.ndarray:
 
 def _expected_links(prevs: np.ndarray, records: np.ndarray, stored_hash: int) -> np.ndarray:
     """The chain link verify expects for entries with predecessor ``prevs``."""
-    from .diagnosis import record_links
-
     inside = (prevs > 0) & (prevs < records.shape[0])
     links = record_links(np.take(records, np.where(inside, prevs, 0), axis=0))
     links = np.where(inside, links, stored_hash)
-    return np.where(prevs < 0, _CHAIN_HEAD_I64, links)
+    return np.where(prevs < 0, CHAIN_HEAD_INT64, links)
 
 
 @dataclass

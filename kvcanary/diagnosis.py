@@ -69,7 +69,8 @@ _TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
 _WRITE = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
 _OUT = int(FailReason.SLOT_OUT_OF_RANGE)
 _ZERO_SLOT = int(FailReason.SLOT_ZERO_IN_PREFIX)
-_CHAIN_HEAD_I64 = int(np.uint64(CHAIN_HEAD).view(np.int64))
+# The chain head as the int64 a ring row holds.
+CHAIN_HEAD_INT64 = int(np.uint64(CHAIN_HEAD).view(np.int64))
 
 
 def failed_checks(bits: int) -> tuple:
@@ -228,7 +229,7 @@ class Evidence:
         return np.flatnonzero(self.slots == slot)
 
     def parents(self, chain_hash: int) -> np.ndarray:
-        if not self.has_records or chain_hash == _CHAIN_HEAD_I64:
+        if not self.has_records or chain_hash == CHAIN_HEAD_INT64:
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self.links == chain_hash)
 
@@ -436,7 +437,7 @@ def _owners(v: Violation, entry: Entry, ev: Evidence, tables=None) -> tuple:
 def _own_head(v: Violation, entry: Entry, ev) -> bool | None:
     """Whether a chain-head record of position 0 is this request's own (its expected token
     at position 0 matches; None: the token is unknown)."""
-    if ev is None or v.position != 0 or v.stored_chain_hash != _CHAIN_HEAD_I64:
+    if ev is None or v.position != 0 or v.stored_chain_hash != CHAIN_HEAD_INT64:
         return False
     at = np.flatnonzero((ev.batch_index == entry.batch_index) & (ev.positions == 0))
     tokens = ev.tokens[at]
