@@ -124,3 +124,30 @@ def test_every_fixture_block_parses_with_its_footer():
     v = parse_structured(line)
     assert v.log_line() in line   # kvcanary's rendering of the row is SGLang's, byte for byte
     assert np.int64(v.stored_chain_hash) == v.stored_chain_hash
+
+
+def test_engine_findings_as_json_lines_merge_across_launches(tmp_path):
+    from test_diagnosis import toy_engine
+
+    import kvcanary as kc
+    from builders import i64
+
+    context, table = toy_engine()
+    table[2, 2] = 3
+    lines = []
+    for step in (5, 6, 7):
+        before = context.violation_log.total
+        vp = kc.VerifyPlan.allocate(64)
+        kc.plan(req_pool_indices=i64([1, 2]), prefix_lens=i64([4, 4]), extend_seq_lens=i64([0, 0]),
+                req_to_token=table, verify_plan=vp, write_plan=kc.WritePlan.allocate(2))
+        kc.verify(context, vp)
+        lines += [json.dumps(f.to_dict()) for f in kc.attribute(
+            context, vp, req_pool_indices=i64([1, 2]), prefix_lens=i64([4, 4]), since=before,
+            launch=step)]
+    log = tmp_path / "engine.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    rs = records(explain(log, "--format", "json").output)
+    findings = [r for r in rs if r["record"] == "violation"]
+    assert findings and all((f["count"], f["first_step"], f["last_step"]) == (3, 5, 7)
+                            for f in findings)
+    assert findings[0]["request_row"] == 2 and findings[0]["expected_position"] == 2
