@@ -495,8 +495,7 @@ def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv,
             return Diagnosis("position-changed", (
                 f"slot {s} holds the record continuing position {after - 1} of {whose} (its "
                 f"chain link), so it was written as position {after}, but it now says position "
-                f"{q}: the stored position changed after the write.{real_kv}"),
-                related=tuple((same or parents)[:1]))
+                f"{q}: the stored position changed after the write.{real_kv}"))
         in_place = [r for r in same if r["stored_position"] == r["position"]]
         own_token = _own_token(v, entry, tables)
         if in_place or own_token:
