@@ -76,6 +76,9 @@ def render_text(x, patterns, shown: list, echo) -> None:
     text = f"summary: {verdict}: {x.rows} row(s), {len(x.findings)} distinct finding(s)"
     if counts:
         text += f"; failed checks, counted per check over rows (a row can fail several): [{counts}]"
+    if x.rows_not_kept:
+        text += (f"; {x.rows_not_kept} row(s) of corruptions past the first "
+                 f"{len(x.findings)} distinct ones counted but not kept")
     if x.ring_overflow:
         text += (f"; ring overflow: {x.total_reported} violations reported, counts are lower "
                  "bounds")
@@ -94,7 +97,7 @@ def summary_record(x, patterns, shown: list) -> dict:
             "counts_by_reason": dict(sorted(x.reasons.items())),
             "counts_by_tag": dict(sorted(x.tags.items())), "counts_by_part": x.families(),
             "counts_by_cause": dict(sorted(causes.items())),
-            "rows_by_input": dict(x.rows_by_source),
+            "rows_by_input": dict(x.rows_by_source), "rows_not_kept": x.rows_not_kept,
             "patterns": [p.kind for p in patterns]}
 
 

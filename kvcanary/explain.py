@@ -9,8 +9,9 @@ verifies it, so :class:`Explanation` merges rows with the same slot, fail reason
 stored record (:func:`kvcanary.attribution.merge_key`) into one :class:`ExplainedFinding`
 with every tag that saw it, its count and its first and last step.
 
-Reading is streamed line by line; memory grows with the distinct findings, not with the
-log. Lines longer than :data:`MAX_LINE` characters are skipped (counted as unparsed).
+Reading is streamed line by line; memory grows with the distinct findings (at most
+:data:`MAX_DISTINCT`; rows of further ones are only counted), not with the log. Lines longer
+than :data:`MAX_LINE` characters are skipped (counted as unparsed).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ MAX_LINE = 1 << 16
 BLOCK_LINES = 8
 # Distinct slots at one position from which that position is called a pattern.
 POSITION_SLOTS = 3
+# Distinct findings kept; rows of further new corruptions are counted, not kept (memory).
+MAX_DISTINCT = 100_000
 
 _STRUCTURED = re.compile(
     r"kv_canary violation: launch_tag=(\S+) fail_reason=(\S+) slot_idx=(-?\d+) "
@@ -273,6 +276,7 @@ class Explanation:
         self.reasons: Counter = Counter()
         self.max_total: dict = {}        # source -> largest total_violations reported
         self.overflow_sources: set = set()
+        self.rows_not_kept = 0           # rows of new corruptions past MAX_DISTINCT
 
     def read(self, lines, source: str) -> None:
         if source not in self.sources:
@@ -300,6 +304,9 @@ class Explanation:
         key = merge_key(v)
         finding = self._findings.get(key)
         if finding is None:
+            if len(self._findings) >= MAX_DISTINCT:
+                self.rows_not_kept += 1
+                return
             finding = self._findings[key] = ExplainedFinding(row)
         finding.add(row)
 

@@ -151,3 +151,16 @@ def test_engine_findings_as_json_lines_merge_across_launches(tmp_path):
     assert findings and all((f["count"], f["first_step"], f["last_step"]) == (3, 5, 7)
                             for f in findings)
     assert findings[0]["request_row"] == 2 and findings[0]["expected_position"] == 2
+
+
+def test_distinct_findings_kept_are_bounded(monkeypatch):
+    import kvcanary.explain as ex
+
+    monkeypatch.setattr(ex, "MAX_DISTINCT", 3)
+    x = ex.Explanation()
+    lines = [f"kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_position "
+             f"slot_idx={slot} position=1 stored_token=2 expected_token=-1 "
+             f"stored_chain_hash=0x0000000000000001 expected_aux=0x0000000000000001\n"
+             for slot in range(10)]
+    x.read(lines, "many.log")
+    assert len(x.findings) == 3 and x.rows == 10 and x.rows_not_kept == 7
