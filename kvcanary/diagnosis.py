@@ -304,6 +304,14 @@ def _out_of_range(v: Violation, entry: Entry, num_slots: int, table: str) -> str
             f"(slot {v.expected_aux})")
 
 
+def _source(v: Violation) -> str:
+    """`` in the K cache of the FULL group`` from the row's launch tag (empty if unknown)."""
+    parts = v.launch_tag.split("_")
+    if len(parts) != 3 or parts[1] not in ("K", "V"):
+        return ""
+    return f" in the {parts[1]} cache of the {parts[2]} group (launch tag {v.launch_tag})"
+
+
 def _slot_zero(swa: bool) -> str:
     if swa:
         return ("a live entry inside the sliding window maps to SWA slot 0: its SWA slot was "
@@ -392,9 +400,9 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
         return _chain_only(v, entry, evidence, real_kv)
     if bits & _REAL_KV:
         return Diagnosis("kv-bytes-changed", (
-            f"the real KV bytes of slot {s} changed after its canary record was written (the "
-            "record itself is intact): an in-place overwrite, a stray write into this slot, or "
-            "a KV transfer/offload that changed the bytes"))
+            f"the real KV bytes of slot {s}{_source(v)} changed after its canary record was "
+            "written (the record itself is intact): an in-place overwrite, a stray write into "
+            "this slot, or a KV transfer/offload that changed the bytes"))
     return Diagnosis("unknown", "no check failed that the diagnosis knows", certain=False)
 
 

@@ -96,7 +96,7 @@ def test_shared_slot_fault_is_attributed_to_every_request_that_maps_it(tmp_path)
     assert where == [(1, 1), (2, 1)]
     assert all(f.violation.fail_reason_bits == FailReason.VERIFY_REAL_KV_HASH_MISMATCH
                for f in result.findings)
-    assert "real KV bytes of slot 6 changed" in result.findings[0].cause
+    assert "real KV bytes of slot 6 in the K cache of the FULL group" in result.findings[0].cause
 
 
 def test_token_check_needs_expected_tokens(tmp_path):
