@@ -101,9 +101,9 @@ def summary_line(r) -> str:
             f"({r.live_entries} live prefix, {r.sweep_entries} sweep), "
             f"{r.total_violations} violation(s)")
     if counts:
-        text += f" [{counts}]"
+        text += f"; failed checks, counted per check (a row can fail several): [{counts}]"
     if r.counts_by_tag:
-        text += " by tag [" + ", ".join(f"{name} {count}"
+        text += "; rows by tag [" + ", ".join(f"{name} {count}"
                                        for name, count in r.counts_by_tag.items()) + "]"
     if r.unattributed:
         text += f", {r.unattributed} not attributed to a plan entry"

@@ -10,6 +10,7 @@ import kvcanary
 from .audit import audit_command
 from .campaign import campaign_command
 from .demo import demo_command
+from .explain import explain_command
 from .interrupt import interruptible
 from .smoke import smoke
 from .synth import synth_command
@@ -30,5 +31,6 @@ def info() -> None:
         click.echo(f"{key + ':':<22}{value}")
 
 
-for _command in (demo_command, synth_command, audit_command, campaign_command, smoke):
+for _command in (demo_command, synth_command, audit_command, explain_command, campaign_command,
+                 smoke):
     main.add_command(interruptible(_command))

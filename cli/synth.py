@@ -144,7 +144,7 @@ def synth_command(out, mode, backend, inject, max_listed, force, **values):
     listed = faults if max_listed == 0 else faults[:max_listed]
     if listed:   # one write: thousands of faults are thousands of lines
         click.echo("\n".join(
-            f"injected {fault.kind} at {fault.target}: request row {fault.request_row}, "
+            f"injected {fault.kind} at {fault.target}: {_where(fault)}, "
             f"position {fault.position}, slot {fault.slot}"
             + (f" ({fault.note})" if fault.note else "") for fault in listed))
     if len(listed) < len(faults):
@@ -152,3 +152,10 @@ def synth_command(out, mode, backend, inject, max_listed, force, **values):
         click.echo(f"injected faults: the first {len(listed)} of {len(faults)} are listed "
                    f"({', '.join(f'{kind} {n}' for kind, n in kinds.items())}); the dump's "
                    "synth_fault_* keys hold every one (--max-listed 0 lists all)")
+
+
+def _where(fault) -> str:
+    """Where a fault landed: its request row, or the sweep for a slot no live request maps."""
+    if fault.request_row >= 0:
+        return f"request row {fault.request_row}"
+    return "a prefix-cache sweep entry (no live request maps it)"

@@ -4,7 +4,8 @@ A byte-compatible, torch-free implementation of SGLang's KV canary: a numpy refe
 CUDA kernels (compiled at run time through CuPy) behind one API. Importing kvcanary
 imports neither torch nor cupy."""
 
-from .api import plan, verify, write
+from .api import PlanReport, VerifyPlanTooSmall, entries_needed, plan, verify, write
+from .attribution import LaunchFinding, MergedFinding, Merger, attribute, merge_findings
 from .consts import (
     CANARY_CHAIN_ANCHOR,
     CANARY_SLOT_BYTES,
@@ -14,6 +15,7 @@ from .consts import (
     LaunchTag,
     RealKvHashMode,
 )
+from .diagnosis import Diagnosis, diagnose
 from .hashing import CHAIN_HEAD, splitmix64, splitmix64_mix3
 from .types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
 from .violations import Violation
@@ -27,14 +29,24 @@ __all__ = [
     "MAX_REAL_KV_SOURCES",
     "MAX_REAL_KV_SOURCES_LIMIT",
     "CanaryContext",
+    "Diagnosis",
+    "PlanReport",
     "FailReason",
+    "LaunchFinding",
     "LaunchTag",
+    "MergedFinding",
+    "Merger",
     "RealKvHashMode",
     "RealKvSource",
     "VerifyPlan",
     "Violation",
+    "VerifyPlanTooSmall",
     "ViolationLog",
     "WritePlan",
+    "attribute",
+    "diagnose",
+    "entries_needed",
+    "merge_findings",
     "plan",
     "splitmix64",
     "splitmix64_mix3",

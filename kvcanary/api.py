@@ -7,10 +7,15 @@ outputs copied back, so the call still works in place."""
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import numpy as np
 
 from . import arrays as A
-from .types import CanaryContext, VerifyPlan, WritePlan
+from .consts import REQ_POOL_IDX_PADDING
+from .reference.plan import window_start
+from .types import CanaryContext, VerifyPlan, WritePlan, to_host
 
 _INT64 = (np.int64,)
 _TABLE_DTYPES = (np.int32, np.int64)
@@ -34,12 +39,55 @@ def _check_token_array(x, name: str, length: int | None) -> None:
     A.check_array(x, name, _INT64, 1, length)
 
 
+class VerifyPlanTooSmall(UserWarning):
+    """A verify plan had less capacity than its batch's prefix entries: upstream's rule then
+    disables the launch (``enable = 0``), so that step checks nothing. Warned once per plan
+    by :func:`plan`; ``plan(..., strict=True)`` raises ``ValueError`` instead."""
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What :func:`plan` planned: ``entries_needed`` prefix entries for the batch (the sum
+    over live rows of ``prefix_len - window_start``), ``verify_capacity`` of the plan, and
+    whether verify will run (``enabled``: the entries fit). ``write_requests`` is the batch
+    size the write plan covers."""
+
+    entries_needed: int
+    verify_capacity: int
+    write_requests: int
+
+    @property
+    def enabled(self) -> bool:
+        return self.entries_needed <= self.verify_capacity
+
+    def __str__(self) -> str:
+        state = "verify enabled" if self.enabled else "verify DISABLED (plan too small)"
+        return (f"plan: {self.entries_needed} prefix entries for a capacity of "
+                f"{self.verify_capacity}, {self.write_requests} write request(s): {state}")
+
+
+def entries_needed(req_pool_indices, prefix_lens, swa_window_size: int = 0) -> int:
+    """Prefix entries a verify plan needs for a batch: ``sum(prefix_len - window_start)`` over
+    the rows whose ``req_pool_indices`` is not the padding row 0 (host arrays or device
+    arrays, copied to the host). ``VerifyPlan.allocate`` needs at least this capacity."""
+    rows, lens = to_host(req_pool_indices), to_host(prefix_lens).astype(np.int64)
+    start = window_start(lens, int(swa_window_size))
+    return int(np.where(rows != REQ_POOL_IDX_PADDING, np.maximum(0, lens - start), 0).sum())
+
+
 def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
          verify_plan: VerifyPlan, write_plan: WritePlan, swa_window_size: int = 0,
          full_to_swa_index_mapping=None, req_to_verify_expected_tokens=None,
          req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset: int = 0,
-         block_table=None, block_size=None, backend: str | None = None) -> None:
+         block_table=None, block_size=None, backend: str | None = None,
+         strict: bool = False, check_capacity: bool = True) -> PlanReport | None:
     """Fill ``verify_plan`` and ``write_plan`` in place for one forward step (docs/format.md §7).
+
+    Returns a :class:`PlanReport` (entries needed against the plan's capacity). A verify plan
+    too small for the batch is never silent: :class:`VerifyPlanTooSmall` is warned once per
+    plan object, or with ``strict=True`` a ``ValueError`` is raised after the plan is filled
+    (it is disabled). The check copies ``prefix_lens`` and ``req_pool_indices`` to the host;
+    ``check_capacity=False`` skips it (inside a CUDA graph capture) and returns None.
 
     Slots come from exactly one table: ``req_to_token`` (int32/int64 ``[rows, max_len]``, the
     slot of each request row and position), or ``block_table`` (int32/int64 ``[rows,
@@ -103,6 +151,21 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
                   kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
     kwargs["block_size"] = block_size
     _run(backend or library, library, "plan", kwargs)
+    if not check_capacity:
+        return None
+    report = PlanReport(entries_needed(rows, inputs["prefix_lens"], swa_window_size),
+                        verify_plan.verify_capacity, bs)
+    if not report.enabled:
+        message = (f"kv-canary: the verify plan holds {report.verify_capacity} entries but "
+                   f"the batch has {report.entries_needed} prefix entries: this step is not "
+                   f"verified (enable = 0); allocate VerifyPlan.allocate(n) with n >= "
+                   f"{report.entries_needed}")
+        if strict:
+            raise ValueError(message)
+        if not getattr(verify_plan, "_warned_too_small", False):
+            verify_plan._warned_too_small = True
+            warnings.warn(VerifyPlanTooSmall(message.removeprefix("kv-canary: ")), stacklevel=2)
+    return report
 
 
 def _slot_table(req_to_token, block_table, block_size) -> tuple:

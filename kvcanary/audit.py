@@ -11,7 +11,9 @@ Data flows plan -> verify -> violations -> findings:
 3. kvcanary's slot-zero extension (off with ``compat=True``) adds a
    ``SLOT_ZERO_IN_PREFIX`` row for every live prefix entry mapped to padding slot 0.
 4. Each row is attributed to the plan entry that produced it (request row and position, or
-   sweep entry) and gets the failed checks in words and a likely cause.
+   sweep entry) and gets the failed checks in words.
+5. Each kept finding gets its :func:`~kvcanary.diagnosis.diagnose`: the cause, from the
+   other live entries on its slot and the records its own record continues.
 
 Every row counts: totals, counts by reason, by tag and by request, and the first and last
 affected positions of each request cover every row and are computed over whole arrays. Only
@@ -22,11 +24,13 @@ error.
 
 The steps, one function each: :func:`_live_launches` and :func:`_sweep_launches` build the
 entries, :func:`_verify` runs one launch, :func:`_attribute` names the entry of each row and
-:class:`_Tally` summarises; :func:`audit` runs the one loop over both kinds of launches.
+:class:`_Tally` summarises, :func:`_diagnose` explains; :func:`audit` runs the one loop
+over both kinds of launches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -39,13 +43,14 @@ from . import api
 from .consts import (
     EXPECTED_TOKEN_UNKNOWN,
     MAX_REAL_KV_SOURCES,
-    PLAN_SLOT_OUT_OF_TABLE,
     FailReason,
     LaunchTag,
 )
+from .diagnosis import (CHECK_WORDS, Diagnosis, Entry, Evidence, diagnose,  # noqa: F401
+                        failed_checks, likely_cause, record_links)
 from .dump import Dump, load
 from .reference.plan import window_start
-from .reference.ring import violation_rows
+from .reference.ring import canary_fields, violation_rows
 from .types import (CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan,
                     check_source_bound, check_source_count, to_host)
 from .violations import Violation, reason_labels, tag_name
@@ -55,19 +60,6 @@ BACKENDS = ("auto", "numpy", "cupy")
 CHUNK_ENTRIES = 1 << 16
 # Findings kept per audit by default: upstream's default violation-ring capacity.
 DEFAULT_MAX_FINDINGS = 1024
-
-CHECK_WORDS = {
-    FailReason.VERIFY_CHAIN_HASH_MISMATCH: "chain link to the predecessor",
-    FailReason.VERIFY_POSITION_MISMATCH: "stored position",
-    FailReason.VERIFY_REAL_KV_HASH_MISMATCH: "real-KV hash",
-    FailReason.WRITE_TOKEN_MISMATCH: "written token",
-    FailReason.WRITE_POSITION_MISMATCH: "written position",
-    FailReason.VERIFY_TOKEN_MISMATCH: "expected token",
-    FailReason.SLOT_OUT_OF_RANGE: "slot inside the canary buffer",
-    FailReason.SLOT_ZERO_IN_PREFIX: "live entry not on padding slot 0",
-    FailReason.WRITE_SLOT_CONFLICT: "one write per slot per launch",
-}
-
 
 class AuditError(ValueError):
     """The audit cannot run or would prove nothing (e.g. zero entries to check)."""
@@ -111,6 +103,14 @@ class Finding:
     cause: str = ""
     block_index: int = -1     # paged dumps: the position's entry in the row's block table
     block: int = -1           # paged dumps: the block id there (-1: past the table)
+    diagnosis: Diagnosis | None = None   # the cause with its evidence (``cause`` is its text)
+
+    def entry(self) -> Entry:
+        """The finding's verify entry as the diagnosis names it."""
+        return Entry(kind=self.kind, batch_index=self.batch_index,
+                     request_row=self.request_row, position=self.position,
+                     prev_slot=self.prev_slot, sweep_index=self.sweep_index,
+                     block_index=self.block_index, block=self.block)
 
     def where(self) -> str:
         if self.kind == "request":
@@ -131,6 +131,8 @@ class Finding:
                       request_row=self.request_row, expected_position=self.position,
                       prev_slot=self.prev_slot, sweep_index=self.sweep_index,
                       failed_checks=list(self.checks), likely_cause=self.cause)
+        if self.diagnosis is not None:
+            record["diagnosis"] = self.diagnosis.to_dict(text=False)
         if self.block_index >= 0:
             record.update(block_index=self.block_index, block=self.block)
         return record
@@ -193,6 +195,8 @@ class AuditResult:
     counts_by_tag: dict = field(default_factory=dict)
     counts_by_entry: dict = field(default_factory=dict)
     requests: list = field(default_factory=list)   # RequestSummary of every affected request
+    counts_by_cause: dict = field(default_factory=dict)   # over the kept findings
+    zero_records: int = 0     # live entries whose record is all zeros (counted when dirty)
     unattributed: int = 0
     elapsed_s: float = 0.0
 
@@ -241,89 +245,14 @@ class AuditResult:
                 "counts_by_reason": dict(self.counts_by_reason),
                 "counts_by_tag": dict(self.counts_by_tag),
                 "counts_by_entry": dict(self.counts_by_entry),
+                "counts_by_cause": dict(self.counts_by_cause),
+                "zero_records": self.zero_records,
                 "requests": [r.to_dict() for r in self.requests],
                 "elapsed_s": round(self.elapsed_s, 3)}
 
     def findings_at(self, request_row: int, position: int) -> list:
         return [f for f in self.findings
                 if f.kind == "request" and f.request_row == request_row and f.position == position]
-
-
-# --------------------------------------------------------------------------- explanation
-
-
-# Plain ints: enum member access is slow enough to show in a flooded audit.
-_CHECK_BITS = tuple((int(bit), text) for bit, text in CHECK_WORDS.items())
-_KNOWN_BITS = sum(bit for bit, _ in _CHECK_BITS)
-_BIT = {member.name: int(member) for member in FailReason}
-
-
-def failed_checks(bits: int) -> tuple:
-    words = []
-    for bit, text in _CHECK_BITS:
-        if bits & bit:
-            words.append(text)
-    unknown = bits & ~_KNOWN_BITS
-    if unknown:
-        words.append(f"unknown bits {unknown:#x}")
-    return tuple(words)
-
-
-def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
-                 swa: bool = False, table: str = "req_to_token") -> str:
-    bits, s = int(v.fail_reason_bits), v.slot_idx
-    causes = []
-    if bits & _BIT["SLOT_OUT_OF_RANGE"]:
-        if s == PLAN_SLOT_OUT_OF_TABLE:
-            causes.append(f"position {position} lies outside {table}: seq_len is larger "
-                          "than the table, or the request row is not in the table")
-        elif s < 0 or s >= num_slots:
-            causes.append(f"the table entry points outside the canary buffer (slot {s}, the "
-                          f"buffer has {num_slots} slots): a corrupt or stale {table} entry")
-        elif v.expected_aux == s:
-            causes.append(f"slot {s} lies past the rows of a real-KV source, so its KV bytes "
-                          "cannot be checked: the source is smaller than the canary buffer")
-        else:
-            causes.append(f"the predecessor entry (position {position - 1}) points outside the "
-                          f"canary buffer (slot {v.expected_aux})")
-    if bits & _BIT["SLOT_ZERO_IN_PREFIX"] and swa:
-        causes.append("a live entry inside the sliding window maps to SWA slot 0: its SWA slot "
-                      "was freed (full_to_swa_index_mapping holds 0) or never assigned, or the "
-                      "table entry itself is 0")
-    elif bits & _BIT["SLOT_ZERO_IN_PREFIX"]:
-        causes.append("a live prefix entry is mapped to padding slot 0: the slot was never "
-                      "assigned, or its mapping was cleared while the request still uses it "
-                      "(lost write or premature free)")
-    if bits & _BIT["VERIFY_POSITION_MISMATCH"]:
-        causes.append(f"slot {s} holds the record of position {v.position}, not {position}: "
-                      "the slot was reused by another sequence while this request still maps "
-                      "it, or the mapping is shifted or swapped")
-    if bits & _BIT["VERIFY_TOKEN_MISMATCH"]:
-        causes.append(f"slot {s} holds token {v.stored_token} where the request's history has "
-                      f"{v.expected_token}: another token's KV was written here, or the slot "
-                      "was reused by a sequence with different content")
-    if bits & _BIT["VERIFY_CHAIN_HASH_MISMATCH"] and not causes:
-        if prev_slot < 0:
-            causes.append(f"chain head at position {position} does not start from the anchor: "
-                          "the slot holds a record written as the continuation of another "
-                          "sequence")
-        else:
-            causes.append(f"chain link broken at position {position}: the record at the "
-                          f"predecessor slot {prev_slot} (position {position - 1}) was "
-                          "overwritten or remapped after this token was written, or this "
-                          "record's own prev-hash was altered")
-    elif bits & _BIT["VERIFY_CHAIN_HASH_MISMATCH"]:
-        causes.append("the chain link to the predecessor fails too")
-    if bits & _BIT["VERIFY_REAL_KV_HASH_MISMATCH"]:
-        if causes:
-            causes.append("and the slot's real KV bytes no longer match its record")
-        else:
-            causes.append(f"the real KV bytes of slot {s} changed after its canary record was "
-                          "written (the record itself is intact): an in-place overwrite, a "
-                          "stray write into this slot, or transfer/offload corruption")
-    if bits & (_BIT["WRITE_TOKEN_MISMATCH"] | _BIT["WRITE_POSITION_MISMATCH"]):
-        causes.append("the forward consumed different input tokens or positions than expected")
-    return "; ".join(causes) or "unknown"
 
 
 # --------------------------------------------------------------------------- the audit
@@ -630,9 +559,14 @@ class _Tally:
         self.reasons, self.tags = Counter(), Counter()
         self.findings: list = []
         self.requests: list = []
+        # Fail bits ORed per canary slot (allocated at the first row), and per launch which
+        # entries had a row.
+        self.slot_bits = np.zeros(0, dtype=np.int64)
+        self.failing_entries: list = []
 
     def add(self, rows: np.ndarray, entry_of: np.ndarray, launch: _Launch) -> None:
         if rows.shape[0] == 0:
+            self.failing_entries.append(None)
             return
         self.total += rows.shape[0]
         for value, count in zip(*(a.tolist() for a in _value_counts(rows[:, 7]))):
@@ -650,6 +584,15 @@ class _Tally:
         attributed[row_of[failing]] = True
         entry_of = np.where(attributed, entry_of, -1)
         self.unattributed += int(rows.shape[0] - failing.size)
+        if self.slot_bits.size == 0:
+            self.slot_bits = np.zeros(self.dump.num_slots, dtype=np.int64)
+        inside = (rows[:, 1] >= 0) & (rows[:, 1] < self.dump.num_slots)
+        slots, bits = rows[inside, 1], rows[inside, 7]
+        for value in _value_counts(bits)[0].tolist():   # a few distinct reason sets
+            self.slot_bits[slots[bits == value]] |= value
+        mask = np.zeros(launch.size, dtype=bool)
+        mask[failing] = True
+        self.failing_entries.append(mask)
         if launch.live:
             self._add_requests(failing, launch)
         else:
@@ -682,15 +625,14 @@ class _Tally:
     def _finding(self, v: Violation, entry: int, launch: _Launch) -> Finding:
         d, e = self.dump, launch.entries
         if entry < 0:
-            return _finding(v, "unattributed", d.num_slots)
+            return _finding(v, "unattributed")
         where = dict(position=int(e.positions[entry]), prev_slot=int(e.prevs[entry]))
         if not launch.live:
-            return _finding(v, "sweep", d.num_slots, sweep_index=launch.sweep_begin + entry,
+            return _finding(v, "sweep", sweep_index=launch.sweep_begin + entry,
                             **where)
         b = int(launch.batch_index[entry])
         row = int(d.req_pool_indices[b])
-        return _finding(v, "request", d.num_slots, swa=d.full_to_swa_index_mapping is not None,
-                        batch_index=b, request_row=row, **where,
+        return _finding(v, "request", batch_index=b, request_row=row, **where,
                         **_block_of(d, row, where["position"]))
 
     def fill(self, result: "AuditResult") -> None:
@@ -706,6 +648,36 @@ class _Tally:
         result.unattributed = self.unattributed
 
 
+class _DumpTables:
+    """What a dump's tables say at (request row, position), for the diagnosis."""
+
+    def __init__(self, d: Dump):
+        self.dump = d
+
+    def slot(self, row: int, position: int) -> int | None:
+        """The table's full slot (before any SWA translation), or None past the table."""
+        d = self.dump
+        table = d.slot_table
+        column = position // d.block_size
+        if not (0 <= row < table.shape[0] and 0 <= column < table.shape[1] and position >= 0):
+            return None
+        slot = int(table[row, column])
+        if d.block_table is not None:
+            slot = slot * d.block_size + position % d.block_size if slot else 0
+        return slot
+
+    def token(self, row: int, position: int) -> int | None:
+        """The expected token at ``position`` of a batch's request row, or None."""
+        d = self.dump
+        pool = d.expected_tokens
+        if pool is None or not (0 <= row < pool.shape[0] and 0 <= position < pool.shape[1]):
+            return None
+        batch = np.flatnonzero(np.asarray(d.req_pool_indices) == row)
+        if batch.size == 0 or position >= int(d.expected_tokens_valid_lens[batch[0]]):
+            return None
+        return int(pool[row, position])
+
+
 def _block_of(d: Dump, row: int, position: int) -> dict:
     """Where a paged dump's position goes through its block table (nothing for per-token)."""
     if d.block_table is None:
@@ -715,14 +687,104 @@ def _block_of(d: Dump, row: int, position: int) -> dict:
     return {"block_index": index, "block": int(d.block_table[row, index]) if inside else -1}
 
 
-def _finding(v: Violation, kind: str, num_slots: int, swa: bool = False, **where) -> Finding:
-    position = where.get("position", v.position)
-    prev = where.get("prev_slot", -1)
-    table = "block_table" if where.get("block_index", -1) >= 0 else "req_to_token"
-    return Finding(violation=v, kind=kind, checks=failed_checks(v.fail_reason_bits),
-                   cause=likely_cause(v, position=position, prev_slot=prev, num_slots=num_slots,
-                                      swa=swa, table=table),
-                   **where)
+def _finding(v: Violation, kind: str, **where) -> Finding:
+    """A finding without its diagnosis yet (:func:`_diagnose` adds it after the loop)."""
+    return Finding(violation=v, kind=kind, checks=failed_checks(v.fail_reason_bits), **where)
+
+
+# ------------------------------------------------------------ step 5: diagnose
+
+
+def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, lengths: np.ndarray,
+              chunk: int) -> tuple:
+    """Every kept finding with its :func:`~kvcanary.diagnosis.diagnose`; returns
+    ``(findings, zero records among the live entries)``.
+
+    The other users of a finding's slot and the records its stored link continues may sit
+    in any chunk, so the live entries are planned once more, keeping only those that read a
+    finding's slot or whose record a finding's record continues."""
+    findings = tally.findings
+    if not findings:
+        return findings, 0
+    rows = np.stack([f.violation.to_row() for f in findings])
+    fields = canary_fields(d.canary)
+    # Zero records are counted only when a finding reads one (the wrong-buffer question).
+    zero = None
+    if np.any((rows[:, 2] == 0) & (rows[:, 3] == 0) & (rows[:, 5] == 0)):
+        zero = ~fields.any(axis=1)
+        zero[:1] = False   # slot 0 is padding: never counted
+    # Records whose link a finding's stored link equals: their readers are its parents.
+    parents = _equal_to_any(_slot_links(fields), rows[:, 5])
+    interest = np.concatenate([rows[:, 1], [f.prev_slot for f in findings], parents])
+    marked = np.zeros(d.num_slots, dtype=bool)
+    marked[interest[(interest >= 0) & (interest < d.num_slots)]] = True
+    parts, zero_entries, checked = [], 0, 0
+    launches = itertools.chain(_live_launches(d, launcher, lengths, chunk),
+                               _sweep_launches(d, launcher, chunk))
+    for launch, failing in zip(launches, tally.failing_entries):
+        e = launch.entries
+        inside = (e.slots > 0) & (e.slots < d.num_slots)
+        at_slot = np.where(inside, e.slots, 0)
+        if launch.live and zero is not None:
+            zero_entries += int(np.count_nonzero(np.take(zero, at_slot)))
+            checked += int(np.count_nonzero(e.slots > 0))
+        keep = np.flatnonzero(np.take(marked, at_slot))
+        outside = np.flatnonzero(~inside)
+        if outside.size:
+            keep = np.union1d(keep, outside[np.isin(e.slots[outside], interest)])
+        # Sweep entries belong to no request: batch index and row -1 (one cached chain).
+        batch = launch.batch_index[keep] if launch.live else np.full(keep.size, -1, np.int64)
+        parts.append(Evidence.from_entries(
+            slots=e.slots[keep], positions=e.positions[keep], tokens=e.tokens[keep],
+            batch_index=batch,
+            request_rows=np.asarray(d.req_pool_indices)[batch] if launch.live else batch,
+            records=fields, failing=None if failing is None else failing[keep],
+            prev_slots=e.prevs[keep]))
+    evidence = Evidence.merge(parts)
+    asked = np.unique(np.concatenate([interest, evidence.prev_slots]).astype(np.int64))
+    asked = asked[(asked >= 0) & (asked < d.num_slots)]
+    evidence.failing_slots, evidence.failing_bits = asked[tally.slot_bits[asked] != 0], \
+        tally.slot_bits[asked][tally.slot_bits[asked] != 0].astype(np.int64)
+    evidence.zero_entries, evidence.checked_entries = zero_entries, checked
+    stored = {(f.batch_index, f.position): f.violation.position for f in findings
+              if f.kind == "request"}
+    swa = d.full_to_swa_index_mapping is not None
+    table = "req_to_token" if d.block_table is None else "block_table"
+    tables = _DumpTables(d)
+    result = []
+    for f in findings:
+        entry = f.entry()
+        if f.kind == "request" and f.block_index >= 0 and f.position > 0:
+            prev = _block_of(d, f.request_row, f.position - 1)
+            entry = dataclasses.replace(entry, prev_block_index=prev["block_index"],
+                                        prev_block=prev["block"])
+        diagnosis = diagnose(f.violation, entry, evidence, num_slots=d.num_slots, swa=swa,
+                             table=table, swapped_with=lambda b, q: stored.get((b, q)),
+                             tables=tables)
+        result.append(dataclasses.replace(f, diagnosis=diagnosis, cause=diagnosis.text))
+    return result, zero_entries
+
+
+# Low bits of a hash that index the filter of :func:`_equal_to_any`.
+_FILTER_BITS = 20
+
+
+def _equal_to_any(values: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Indices of ``values`` (uniform hashes) equal to one of a few ``targets``: a bit table
+    on the low bits picks the candidates in one pass, an exact test confirms them."""
+    mask = (1 << _FILTER_BITS) - 1
+    table = np.zeros(1 << _FILTER_BITS, dtype=bool)
+    table[targets & mask] = True
+    candidates = np.flatnonzero(np.take(table, values & mask))
+    return candidates[np.isin(values[candidates], targets)]
+
+
+def _slot_links(fields: np.ndarray) -> np.ndarray:
+    """The chain link of every slot's record, block by block (bounded scratch memory)."""
+    links = np.empty(fields.shape[0], dtype=np.int64)
+    for begin in range(0, fields.shape[0], CHUNK_ENTRIES):
+        links[begin:begin + CHUNK_ENTRIES] = record_links(fields[begin:begin + CHUNK_ENTRIES])
+    return links
 
 
 # ------------------------------------------------------------ the loop
@@ -797,6 +859,9 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         done += launch.size
         if progress:
             progress(done, total_entries)
+    tally.findings, result.zero_records = _diagnose(tally, d, launcher, lengths, chunk)
     tally.fill(result)
+    result.counts_by_cause = dict(sorted(Counter(
+        f.diagnosis.cause for f in tally.findings).items()))
     result.elapsed_s = time.perf_counter() - started
     return result

@@ -181,6 +181,17 @@ class VerifyPlan:
 
     @classmethod
     def allocate(cls, verify_capacity: int, xp=np) -> "VerifyPlan":
+        """A plan of ``verify_capacity`` entries (``xp``: numpy or cupy).
+
+        Sizing rule: one entry per prefix token verified in a step, i.e. at least
+        ``sum(prefix_len - window_start)`` over the batch's live rows (``window_start`` is
+        ``max(0, prefix_len - swa_window_size)`` with a sliding window, else 0);
+        :func:`kvcanary.entries_needed` computes it. With less, ``plan`` disables the launch
+        (``enable = 0``, upstream's rule) and warns :class:`kvcanary.VerifyPlanTooSmall`.
+
+        >>> VerifyPlan.allocate(8).verify_capacity
+        8
+        """
         if verify_capacity <= 0:
             raise ValueError(
                 f"kv-canary: VerifyPlan verify_capacity must be positive, got {verify_capacity}"

@@ -98,8 +98,12 @@ class Violation:
     def fail_reason_text(self) -> str:
         return "+".join(self.labels) or "none"
 
-    def log_line(self) -> str:
-        """Upstream's frozen structured line (tests parse it)."""
+    def log_line(self, at: str | None = None) -> str:
+        """Upstream's frozen structured line (tests parse it). ``at``, when the row's
+        request and position are known (e.g. :meth:`kvcanary.LaunchFinding.where`), adds a
+        second line ``  at: <at>``; the first line stays the frozen one."""
+        if at:
+            return f"{self.log_line()}\n  at: {at}"
         return (
             f"kv_canary violation: launch_tag={self.launch_tag} "
             f"fail_reason={self.fail_reason_text} slot_idx={self.slot_idx} "

@@ -77,10 +77,12 @@ def test_position_fault_is_attributed_with_a_cause(tmp_path):
     assert (first.request_row, first.batch_index, first.position) == (3, 3, 2)
     assert first.violation.fail_reason_bits == FailReason.VERIFY_POSITION_MISMATCH
     assert first.checks == ("stored position",)
-    assert "holds the record of position 9, not 2" in first.cause
+    assert first.diagnosis.cause == "position-changed"
+    assert "written as position 2, but it now says position 9" in first.cause
     assert (second.request_row, second.position, second.prev_slot) == (3, 3, 32)
     assert second.violation.fail_reason_bits == FailReason.VERIFY_CHAIN_HASH_MISMATCH
-    assert "chain link broken at position 3" in second.cause and "slot 32" in second.cause
+    assert second.diagnosis.cause == "predecessor-changed"
+    assert "predecessor slot 32 (position 2) has a finding" in second.cause
     assert first.violation.log_line().startswith("kv_canary violation: launch_tag=TAIL_K_FULL "
                                                  "fail_reason=verify_position slot_idx=32")
 
@@ -94,7 +96,7 @@ def test_shared_slot_fault_is_attributed_to_every_request_that_maps_it(tmp_path)
     assert where == [(1, 1), (2, 1)]
     assert all(f.violation.fail_reason_bits == FailReason.VERIFY_REAL_KV_HASH_MISMATCH
                for f in result.findings)
-    assert "real KV bytes of slot 6 changed" in result.findings[0].cause
+    assert "real KV bytes of slot 6 in the K cache of the FULL group" in result.findings[0].cause
 
 
 def test_token_check_needs_expected_tokens(tmp_path):

@@ -88,7 +88,7 @@ class KvPool:
                  swa_window_size=c.swa_window, full_to_swa_index_mapping=lut,
                  req_to_verify_expected_tokens=expected_tokens,
                  req_to_verify_expected_tokens_valid_lens=prefix.copy(), backend=backend,
-                 **table)
+                 check_capacity=verify_now, **table)   # a step not verified plans no entries
         log = self.context.violation_log
         if verify_now:
             api.verify(self.context, verify_plan, check_expected_token=True, backend=backend)
