@@ -8,7 +8,8 @@ import sys
 
 import click
 
-from .common import ERROR_PREFIX, EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS
+from .audit import write_report
+from .common import ERROR_PREFIX, EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS, error_boundary
 
 DEFAULT_MAX_FINDINGS = 50
 
@@ -101,6 +102,17 @@ def summary_record(x, patterns, shown: list) -> dict:
             "patterns": [p.kind for p in patterns]}
 
 
+def report_section(x, patterns, shown: list) -> dict:
+    """The HTML report's section (kvcanary.report's model) for what was read: the summary
+    and finding records of the JSON output, the patterns as notes; logs have no tables, so
+    the section has no maps."""
+    summary = summary_record(x, patterns, shown)
+    del summary["record"]
+    return {"name": ", ".join(x.sources) or "no input", "summary": summary,
+            "findings": [f.to_dict() for f in shown],
+            "notes": [f"pattern {p.kind}: {p.text}" for p in patterns]}
+
+
 def render_json(x, patterns, shown: list, echo) -> None:
     echo(json.dumps({"record": "config", "command": "explain", "inputs": list(x.sources)}))
     if shown:
@@ -117,7 +129,10 @@ def render_json(x, patterns, shown: list, echo) -> None:
               help="text, or JSON Lines (config, violation..., pattern..., summary).")
 @click.option("--max-findings", type=click.IntRange(min=0), default=DEFAULT_MAX_FINDINGS,
               show_default=True, help="Distinct findings printed (0: all); counts cover all.")
-def explain_command(logs, fmt, max_findings):
+@click.option("--html", "html", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write a self-contained HTML report (summary, findings table, "
+                   "patterns) here; needs the report extra.")
+def explain_command(logs, fmt, max_findings, html):
     """Read SGLang's `--kv-canary log` violation blocks (server logs, any other text mixed
     in) and kvcanary's JSON Lines from each LOG (a file, or - for stdin); merge the rows
     that report one corruption and explain it.
@@ -125,6 +140,11 @@ def explain_command(logs, fmt, max_findings):
     Exit 0: no violation rows; 1: violations; 2: an input could not be read."""
     from kvcanary.explain import MAX_LINE, Explanation
 
+    if html:   # before any work: a missing extra is one error line, exit 2
+        from kvcanary.report.render import require_renderer
+
+        with error_boundary():
+            require_renderer()
     x = Explanation()
     code = EXIT_CLEAN
     for path in logs:
@@ -142,6 +162,9 @@ def explain_command(logs, fmt, max_findings):
     patterns = x.finish()
     shown = x.findings if max_findings == 0 else x.findings[:max_findings]
     (render_json if fmt == "json" else render_text)(x, patterns, shown, click.echo)
+    if html:
+        write_report(html, [report_section(x, patterns, shown)], command="explain",
+                     announce=fmt == "text")
     if code == EXIT_CLEAN and x.rows:
         code = EXIT_VIOLATIONS
     sys.exit(code)

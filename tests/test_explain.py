@@ -4,9 +4,11 @@ made by scripts/make-explain-fixtures.py) and on kvcanary's JSON Lines."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from kvcanary.cli.main import main
@@ -164,3 +166,21 @@ def test_distinct_findings_kept_are_bounded(monkeypatch):
              for slot in range(10)]
     x.read(lines, "many.log")
     assert len(x.findings) == 3 and x.rows == 10 and x.rows_not_kept == 7
+
+
+def test_html_report_keeps_the_exit_code_and_holds_every_finding(tmp_path):
+    pytest.importorskip("jinja2", reason="the HTML report needs the report extra (jinja2)")
+    page = tmp_path / "explain.html"
+    result = CliRunner().invoke(main, ["explain", str(DATA / "decode.log"), "--html", str(page)])
+    assert result.exit_code == 1 and f"html report: {page}" in result.output
+    text = page.read_text()
+    assert text.count("<tr data-reasons=") == 9     # 48 rows, 9 distinct findings
+    assert "pattern head-tail:" in text and "49 violations reported, 48 rows logged" in text
+
+
+def test_html_without_the_extra_is_one_error_before_reading(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    page = tmp_path / "explain.html"
+    result = CliRunner().invoke(main, ["explain", str(DATA / "decode.log"), "--html", str(page)])
+    assert result.exit_code == 2 and "pip install 'kvcanary[report]'" in result.output
+    assert "finding 1" not in result.output and not page.exists()

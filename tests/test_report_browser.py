@@ -101,7 +101,7 @@ def test_findings_table_sorts_and_filters(known):
     assert len(slots) == 19 and slots == sorted(slots)
     filtered = page.evaluate("""(() => {
         const s = document.querySelector('.filter-text');
-        s.value = 'CHAIN LINK BROKEN'; s.dispatchEvent(new Event('input'));
+        s.value = 'ONLY THE CHAIN LINK'; s.dispatchEvent(new Event('input'));
         const byText = [...document.querySelectorAll('table.findings tbody tr:not([hidden])')].length;
         s.value = ''; s.dispatchEvent(new Event('input'));
         const r = document.querySelector('.filter-reason');
@@ -115,7 +115,7 @@ def test_findings_table_sorts_and_filters(known):
     assert filtered[1:] == [17, "17 of 19 shown", True]
     # The text filter ignores case: the findings whose explanation says so.
     result = audit(dump, backend="numpy", max_findings=0)
-    assert filtered[0] == sum("chain link broken" in f.cause for f in result.findings) == 2
+    assert filtered[0] == sum("only the chain link" in f.cause for f in result.findings) == 2
 
 
 def canvas_cells(page, selector: str) -> tuple:
@@ -207,3 +207,22 @@ def test_a_dump_with_only_sweep_entries_has_no_request_map(tmp_path, browser):
                              rows: document.querySelectorAll('table.findings tbody tr').length})""")
     assert dom["requestMaps"] == 0 and dom["poolMaps"] == 1
     assert "sweep" in dom["entries"] and dom["rows"] >= 1
+
+
+def test_explain_report_of_an_sglang_log_loads_with_its_findings_and_patterns(tmp_path, browser):
+    import pathlib
+
+    log = pathlib.Path(__file__).parent / "data" / "explain" / "decode.log"
+    page_path = tmp_path / "explain.html"
+    result = CliRunner().invoke(main, ["explain", str(log), "--html", str(page_path)])
+    assert result.exit_code == 1, result.output
+    url = page_path.as_uri()
+    page = browser.open(url)
+    assert page.console_errors == [] and page.requests == [url]
+    dom = page.evaluate("""(() => ({
+        rows: document.querySelectorAll('table.findings tbody tr').length,
+        notes: Array.from(document.querySelectorAll('ul.notes li')).map(li => li.textContent),
+        text: document.body.textContent}))()""")
+    assert dom["rows"] == 9              # the log's 48 rows merge into 9 distinct findings
+    assert any(n.startswith("pattern ring-overflow") for n in dom["notes"])
+    assert "49 violations reported, 48 rows logged" in dom["text"]
