@@ -15,15 +15,15 @@ from kvcanary import campaign
 from kvcanary.campaign import (
     HIGH,
     LOW,
+    PER_TOKEN,
     RULES,
     CampaignError,
-    all_cells,
     designed,
     render,
     run_campaign,
     run_fault_task,
-    sample_config,
 )
+from kvcanary.campaign import runner
 from kvcanary.cli.main import main
 from kvcanary.consts import FailReason
 from kvcanary.dump import load
@@ -44,7 +44,7 @@ def test_small_campaign_meets_every_target(report):
     assert report.clean_audits == SMALL["clean_runs"] * len(RULES)
     assert report.prefault_audits == report.fault_runs * len(RULES)
     assert report.unattributed == 0 and report.miss_count == 0
-    for target, kind, mode, scope in all_cells():
+    for target, kind, mode, scope in PER_TOKEN.cells():
         for rules in RULES:
             cell = report.cell("numpy", rules, target, kind, mode, scope)
             assert cell.injected >= SMALL["faults_per_kind"], (target, kind, mode, scope)
@@ -109,16 +109,17 @@ def test_deterministic_and_independent_of_jobs(report):
 
 def test_every_setting_is_sampled():
     rng = np.random.default_rng(0)
-    configs = [sample_config(rng, "all") for _ in range(300)]
+    configs = [PER_TOKEN.sample_config(rng, "all") for _ in range(300)]
     assert {c["page_size"] for c in configs} == {1, 16, 64}
     assert {c["sources"] for c in configs} == {0, 1, 2, 3, 4}
     assert {bool(c["swa_window"]) for c in configs} == {False, True}
 
 
 def test_printed_command_rebuilds_the_faults(tmp_path):
-    config = sample_config(np.random.default_rng(5), "partial")
+    config = PER_TOKEN.sample_config(np.random.default_rng(5), "partial")
     config["sources"] = 2
-    plan = [[(kind, campaign.PER_INJECTION[target], target) for target in campaign.FILL_ORDER]
+    plan = [[(kind, PER_TOKEN.per_injection[target], target)
+             for target in PER_TOKEN.fill_order]
             for kind in ("token", "swap", "real-kv-byte")]
     plan.append([("position+token", 4, "shared-block"), ("alias+prev-hash", 4, "chain-seam")])
     out = run_fault_task({"index": 0, "config": config, "backends": ["numpy"], "plan": plan})
@@ -143,7 +144,7 @@ def test_printed_command_rebuilds_the_faults(tmp_path):
 
 def drop_token_findings(monkeypatch):
     """A broken detector: the audit loses every row with the token bit."""
-    real = campaign.audit
+    real = runner.audit
 
     def broken(*args, **kwargs):
         result = real(*args, **kwargs)
@@ -151,7 +152,7 @@ def drop_token_findings(monkeypatch):
                            if not f.violation.fail_reason_bits & FailReason.VERIFY_TOKEN_MISMATCH]
         return result
 
-    monkeypatch.setattr(campaign, "audit", broken)
+    monkeypatch.setattr(runner, "audit", broken)
 
 
 def test_broken_detector_fails_the_campaign_and_names_the_miss(monkeypatch):

@@ -11,16 +11,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvcanary import campaign_paged as campaign
-from kvcanary.campaign_paged import (
-    BLOCK_SIZES,
+from kvcanary.campaign import (
+    PAGED,
     RULES,
-    all_cells,
     designed,
     render,
     run_campaign,
     run_fault_task,
-    sample_config,
+    synth_command,
 )
 from kvcanary.cli.main import main
 from kvcanary.consts import FailReason
@@ -38,50 +36,44 @@ def report():
 def test_small_paged_campaign_meets_every_target(report):
     assert report.passed, report.failures()
     assert report.false_positive_count == 0 and report.clean_audits == 4 * len(RULES)
-    assert {kind for kind, _, _ in all_cells("paged")} == set(PAGED_FAULT_KINDS)
-    for kind, mode, scope in all_cells("paged"):
+    assert {kind for _, kind, _, _ in PAGED.cells()} == set(PAGED_FAULT_KINDS)
+    for target, kind, mode, scope in PAGED.cells():
         for rules in RULES:
-            cell = report.cell("numpy", rules, kind, mode, scope)
+            cell = report.cell("numpy", rules, target, kind, mode, scope)
             assert cell.injected >= SMALL["faults_per_kind"], (kind, mode, scope)
-            if designed(kind, mode, scope, rules)[0]:
+            if designed(kind, mode, scope, rules, target)[0]:
                 assert cell.detected == cell.visible == cell.injected
     text = render(report, "markdown")
     assert text.startswith("## kvcanary coverage campaign, paged layout (block tables)")
-    assert "| evicted-block | all |" in text and "block size 4:" in text
+    assert "| interior | evicted-block | all |" in text and "block size 4:" in text
     assert json.loads(render(report, "json"))["campaign"]["layout"] == "paged"
 
 
 def test_paged_workloads_sample_every_block_size():
     rng = np.random.default_rng(0)
-    configs = [sample_config(rng, "all", layout="paged") for _ in range(100)]
-    assert {c["block_size"] for c in configs} == set(BLOCK_SIZES)
+    configs = [PAGED.sample_config(rng, "all") for _ in range(100)]
+    assert {c["block_size"] for c in configs} == set(PAGED.page_sizes)
     assert all(c["page_size"] == c["block_size"] for c in configs)
-    # The per-token fields are drawn first and the same: per-token campaigns are unchanged.
-    a = sample_config(np.random.default_rng(9), "none")
-    b = sample_config(np.random.default_rng(9), "none", layout="paged")
-    assert {k: v for k, v in b.items() if k not in ("block_size", "page_size", "num_slots",
-                                                    "prompt_len")} == \
-        {k: v for k, v in a.items() if k not in ("page_size", "num_slots", "prompt_len")}
 
 
 def test_printed_command_rebuilds_paged_faults(tmp_path):
-    config = sample_config(np.random.default_rng(3), "all", layout="paged")
-    out = run_fault_task({"index": 0, "config": config, "backends": ["numpy"],
-                          "inject": [(k, 1) for k in PAGED_FAULT_KINDS]})
-    assert out["inject"] and not out["misses"]
-    command = campaign.synth_command(config, out["inject"]).replace("repro.npz",
-                                                                    str(tmp_path / "r.npz"))
+    config = PAGED.sample_config(np.random.default_rng(3), "all")
+    plan = [[(k, 2, "interior") for k in PAGED_FAULT_KINDS]]
+    out = run_fault_task({"index": 0, "config": config, "backends": ["numpy"], "plan": plan})
+    assert out["injections"] and not out["misses"]
+    command = synth_command(config, out["injections"][0]).replace("repro.npz",
+                                                                  str(tmp_path / "r.npz"))
     assert f"--block-size {config['block_size']}" in command and "--page-size" not in command
     result = CliRunner().invoke(main, shlex.split(command)[1:])
     assert result.exit_code == 0, result.output
     d = load(str(tmp_path / "r.npz"))
     assert d.block_size == config["block_size"]
-    assert [(f.kind, f.request_row, f.position, f.slot) for f in faults_from_dump(d)] == \
-        out["targets"]
+    assert [(f.kind, f.target, f.request_row, f.position, f.slot)
+            for f in faults_from_dump(d)] == out["targets"][0]
 
 
 def test_broken_detector_fails_the_paged_campaign(monkeypatch):
-    from kvcanary import campaign as shared   # both layouts audit through its _audits
+    from kvcanary.campaign import runner as shared   # both layouts audit through it
 
     real = shared.audit
 
@@ -95,7 +87,7 @@ def test_broken_detector_fails_the_paged_campaign(monkeypatch):
     failed = run_campaign(faults_per_kind=2, clean_runs=0, seed=1, backend="numpy", jobs=1,
                           layout="paged")
     assert not failed.passed
-    assert any(f.startswith("evicted-block in mode") for f in failed.failures())
+    assert any(f.startswith("evicted-block at interior entries in mode") for f in failed.failures())
 
 
 def test_cli_layout_option():

@@ -38,7 +38,7 @@ PAGED_SYNTH_PINS = [
     (dict(seed=3, block_size=4, sources=2, mode="none"),
      "76b8babf6127c829a48ac81a1eabb5acc96c497297d8ba8ccd827a95ad70efcd", []),
 ]
-PAGED_CAMPAIGN_PIN = "ace49221513009543ebad71dd87d3302ff9829695f523adfd52e24b8d6472736"
+PAGED_CAMPAIGN_PIN = "ea892a8fdb306317ea20423df5d4eaacc8e9588ac8d1fbbd5b959d3461081ded"
 
 
 def digest_arrays(arrays: dict) -> str:
@@ -105,11 +105,10 @@ def test_a_copied_synthesis_hashes_the_kv_it_writes():
     import copy
 
     from kvcanary.audit import audit
-    from kvcanary.campaign import _dump
 
     clean = Synthesis(SynthConfig(**SMALL, page_size=16, sources=2, seed=3)).run()
     synthesis = copy.deepcopy(clean)
     synthesis.inject("stale-reuse", 2)
-    result = audit(_dump(synthesis.arrays()), backend="numpy")
+    result = audit(synthesis.dump(), backend="numpy")
     assert result.total_violations > 0
     assert "verify_real_kv_hash" not in result.counts_by_reason

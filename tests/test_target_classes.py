@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from kvcanary import campaign
+from kvcanary.campaign import layouts, runner
 from kvcanary.audit import audit
 from kvcanary.consts import FailReason
 from kvcanary.dump import load, save
+from kvcanary.synth.faults import PAIR_SHAPES
 from kvcanary.synth import (
     FAULT_KINDS,
     TARGET_CLASSES,
@@ -75,7 +77,7 @@ def test_every_class_is_scored_at_its_sites(tmp_path, clean, kind):
         result = audit(d, backend="numpy", compat=rules == "compat")
         assert result.unattributed == 0
         for fault, outcome in zip(faults, score(faults, result)):
-            scope = campaign.fault_scope(kind, synthesis.config.mode, fault.detail)
+            scope = layouts.fault_scope(kind, synthesis.config.mode, fault.detail)
             should, why = campaign.designed(kind, synthesis.config.mode, scope, rules,
                                             fault.target)
             assert outcome.visible == should, (fault, why)
@@ -187,15 +189,14 @@ def test_clean_runs_hold_shared_prefixes_window_edges_and_chunk_boundaries():
     for index in range(4):
         out = campaign.run_clean_task({"index": index, "seed": 0, "backends": ["numpy"]})
         assert out["missing"] == [] and not out["false_positives"]
-        assert all(out["census"][t] > 0 for t in campaign.CLEAN_RUN_CLASSES), out["census"]
+        assert all(out["census"][t] > 0 for t in campaign.PER_TOKEN.clean_classes), out["census"]
 
 
 def test_a_clean_run_without_a_class_fails_the_campaign(monkeypatch):
-    real = campaign.sample_config
-    monkeypatch.setattr(campaign, "sample_config",
-                        lambda rng, mode, clean=False: {**real(rng, mode, clean=clean),
-                                                        "swa_window": 0})
-    monkeypatch.setattr(campaign, "CLEAN_RUN_ATTEMPTS", 2)
+    real = runner.clean_run_config
+    monkeypatch.setattr(runner, "clean_run_config",
+                        lambda *args: {**real(*args), "swa_window": 0})
+    monkeypatch.setattr(runner, "CLEAN_RUN_ATTEMPTS", 2)
     out = campaign.run_clean_task({"index": 0, "seed": 0, "backends": ["numpy"]})
     assert out["missing"] == ["window-head"] and out["replaced"] == 1
     report = campaign.CampaignReport(faults_per_kind=1, clean_runs=1, seed=0,
@@ -207,12 +208,12 @@ def test_a_clean_run_without_a_class_fails_the_campaign(monkeypatch):
 def test_interacting_pairs_are_scored_at_their_own_sites(tmp_path):
     synthesis = run(seed=3)
     block = synthesis.config.block_tokens
-    for a, b in campaign.PAIR_COMBOS:
-        for shape in campaign.PAIR_SHAPES:
+    for a, b in layouts.PAIR_COMBOS:
+        for shape in PAIR_SHAPES:
             synthesis.inject_up_to(f"{a}+{b}", 1, shape)
     faults = synthesis.faults
     pairs = list(zip(faults[::2], faults[1::2]))
-    assert {first.target for first, _ in pairs} == set(campaign.PAIR_SHAPES)
+    assert {first.target for first, _ in pairs} == set(PAIR_SHAPES)
     for first, second in pairs:
         assert first.request_row == second.request_row and first.target == second.target
         if first.target == "chain-seam":
@@ -241,4 +242,4 @@ def test_two_neighbouring_lost_writes_keep_a_consistent_chain(tmp_path):
     bits = at[(second.request_row, second.position)]
     assert bits & FailReason.VERIFY_POSITION_MISMATCH
     assert not bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH
-    assert ("lost-write", "lost-write") not in campaign.PAIR_COMBOS
+    assert ("lost-write", "lost-write") not in layouts.PAIR_COMBOS

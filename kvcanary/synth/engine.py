@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from ..dump import DUMP_VERSION, VERSION_KEY, Dump, validate
 from .allocator import SlotAllocator
 from .config import Stats, SynthConfig, SynthError
 from .dump_writer import dump_arrays, live_requests, sweep_entries
@@ -86,6 +87,14 @@ class Synthesis:
 
     def arrays(self) -> dict:
         return dump_arrays(self)
+
+    def dump(self) -> Dump:
+        """The current state as a validated in-memory :class:`~kvcanary.dump.Dump`, what
+        ``load`` gives after ``save(path, **synthesis.arrays())``."""
+        values = {VERSION_KEY: np.array(DUMP_VERSION, dtype=np.int64)}
+        values.update((key, np.asarray(value)) for key, value in self.arrays().items()
+                      if value is not None)
+        return validate("<synth>", "memory", values)
 
 
 def synthesize(config: SynthConfig, inject=(), progress=None) -> Synthesis:

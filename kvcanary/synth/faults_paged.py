@@ -31,8 +31,21 @@ class PagedFaultInjector:
         self.s = synthesis
         self.used_entries: set = set()     # (request row, position) of every target
         self.used_slots: set = set()
+        self.real_kv_faults = 0
 
     def inject(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
+        """Inject ``count`` faults of ``kind``; all or a SynthError."""
+        s = self.s
+        self._check(kind, count, target)
+        made = []
+        layout = "_paged" if s.config.paged and kind in _BLOCK_FORMS else ""
+        for _ in range(count):
+            fault = getattr(self, "_inject_" + kind.replace("-", "_") + layout)()
+            s.faults.append(fault)
+            made.append(fault)
+        return made
+
+    def _check(self, kind: str, count: int, target: str) -> None:
         s = self.s
         if target != DEFAULT_TARGET:
             raise SynthError(f"--inject {kind}@{target}: a paged run (--block-size) places "
@@ -44,12 +57,22 @@ class PagedFaultInjector:
         if kind == "real-kv-byte" and not s.sources:
             raise SynthError("--inject real-kv-byte needs at least one real-KV source "
                              "(--sources >= 1)")
+
+    def inject_up_to(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
+        """Inject up to ``count`` faults, stopping when no target is left; a failed attempt
+        leaves the generator and the claimed entries as they were, so ``inject(kind, n)``
+        with the ``n`` placed rebuilds the same faults."""
+        self._check(kind, count, target)
         made = []
-        layout = "_paged" if s.config.paged and kind in _BLOCK_FORMS else ""
         for _ in range(count):
-            fault = getattr(self, "_inject_" + kind.replace("-", "_") + layout)(len(made))
-            s.faults.append(fault)
-            made.append(fault)
+            state = self.s.rng.bit_generator.state
+            claimed = set(self.used_entries), set(self.used_slots)
+            try:
+                made += self.inject(kind, 1, target)
+            except SynthError:
+                self.s.rng.bit_generator.state = state
+                self.used_entries, self.used_slots = claimed
+                break
         return made
 
     # ------------------------------------------------------------------ targets
@@ -119,26 +142,28 @@ class PagedFaultInjector:
 
     # ------------------------------------------------------------------ record faults
 
-    def _inject_token(self, k):
+    def _inject_token(self):
         b, p, slot = self._pick()
         self._fields()[slot, 0] += 1
         return self._fault("token", b, p, slot)
 
-    def _inject_position(self, k):
+    def _inject_position(self):
         b, p, slot = self._pick()
         self._fields()[slot, 1] += 1
         return self._fault("position", b, p, slot)
 
-    def _inject_prev_hash(self, k):
+    def _inject_prev_hash(self):
         b, p, slot = self._pick()
         bit = int(self.s.rng.integers(64))
         self._fields()[slot, 2] ^= np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
         return self._fault("prev-hash", b, p, slot, detail=bit)
 
-    def _inject_real_kv_byte(self, k):
+    def _inject_real_kv_byte(self):
         s = self.s
         c, rng = s.config, s.rng
         b, p, slot = self._pick()
+        k = self.real_kv_faults
+        self.real_kv_faults += 1
         source = k % len(s.sources)
         offset = (k * 16 + int(rng.integers(16))) % c.bytes_per_token
         view = s.pool.slot_bytes(s.sources[source])
@@ -156,7 +181,7 @@ class PagedFaultInjector:
             note = f"byte {offset} of source {source}"
         return self._fault("real-kv-byte", b, p, slot, visible=visible, detail=offset, note=note)
 
-    def _inject_lost_write(self, k):
+    def _inject_lost_write(self):
         s = self.s
         fresh = s.pool.write_count == 1
         try:
@@ -173,7 +198,7 @@ class PagedFaultInjector:
 
     # ------------------------------------------------------------------ table faults
 
-    def _inject_alias(self, k):
+    def _inject_alias(self):
         s = self.s
         b, p, slot = self._pick()
         request = s.running[b]
@@ -195,7 +220,7 @@ class PagedFaultInjector:
                                     f"position {p2})")
         raise SynthError("alias needs a second live request with an owned entry")
 
-    def _inject_swap(self, k):
+    def _inject_swap(self):
         s = self.s
         b, p, slot = self._pick()
         b2, p2, slot2 = self._pick(lambda bb, pp, ss: bb == b and abs(pp - p) > 1)
@@ -203,7 +228,7 @@ class PagedFaultInjector:
         s.table[row, p], s.table[row, p2] = s.table[row, p2], s.table[row, p]
         return self._fault("swap", b, p, slot, detail=p2, note=f"exchanged with position {p2}")
 
-    def _inject_slot_zero(self, k):
+    def _inject_slot_zero(self):
         b, p, slot = self._pick()
         self.s.table[self.s.running[b].row, p] = 0
         return self._fault("slot-zero", b, p, slot,
@@ -211,7 +236,7 @@ class PagedFaultInjector:
 
     # ------------------------------------------------------------------ allocator faults
 
-    def _inject_stale_reuse(self, k):
+    def _inject_stale_reuse(self):
         s = self.s
         b, p, slot = self._pick()
         new_position = p + 1 + int(s.rng.integers(1, 64))
@@ -221,7 +246,7 @@ class PagedFaultInjector:
 
     # ------------------------------------------------------------------ paged forms
 
-    def _inject_alias_paged(self, k):
+    def _inject_alias_paged(self):
         s = self.s
         table, bs = s.scheduler.table.array, s.config.block_size
         b, p, slot = self._pick(block=True)
@@ -249,7 +274,7 @@ class PagedFaultInjector:
                                     f"request row {other.row} (its entry {p2 // bs})")
         raise SynthError("alias needs a second live request with an owned entry")
 
-    def _inject_swap_paged(self, k):
+    def _inject_swap_paged(self):
         s = self.s
         table, bs = s.scheduler.table.array, s.config.block_size
         b, p, slot = self._pick(block=True)
@@ -259,7 +284,7 @@ class PagedFaultInjector:
         return self._fault("swap", b, p, slot, detail=p2,
                            note=f"block-table entries {k1} and {k2} exchanged")
 
-    def _inject_slot_zero_paged(self, k):
+    def _inject_slot_zero_paged(self):
         b, p, slot = self._pick(block=True)
         self.s.scheduler.table.array[self.s.running[b].row, p // self.s.config.block_size] = 0
         return self._fault("slot-zero", b, p, slot,
@@ -281,7 +306,7 @@ class PagedFaultInjector:
                   out_cache_loc=slots, backend=s.config.backend)
         s.pool.write_count[slots] += 1
 
-    def _inject_stale_reuse_paged(self, k):
+    def _inject_stale_reuse_paged(self):
         s = self.s
         b, p, slot = self._pick(block=True)
         request = s.running[b]
@@ -293,7 +318,7 @@ class PagedFaultInjector:
                            note=f"block freed and reallocated: rewritten from position "
                                 f"{new_position} of another sequence")
 
-    def _inject_evicted_block(self, k):
+    def _inject_evicted_block(self):
         """A cached block that live requests map is evicted (as if its reference count had
         dropped to 0) with the cached blocks below it, reallocated and rewritten. Every live
         request mapping it is affected: its positions in the block and the entry after it are

@@ -143,4 +143,5 @@ def _score_at_target(fault: Fault, result, mode: RealKvHashMode) -> FaultOutcome
     return FaultOutcome(kind=fault.kind, request_row=fault.request_row, position=fault.position,
                         slot=fault.slot, expected_bits=fault.expected_bits, visible=visible,
                         detected=detected, fired_bits=fired,
-                        note=fault_note(fault, mode, result.compat))
+                        note=fault_note(fault, mode, result.compat),
+                        sites=int(visible), request_rows=int(visible))
