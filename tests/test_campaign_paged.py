@@ -24,6 +24,7 @@ from kvcanary.cli.main import main
 from kvcanary.consts import FailReason
 from kvcanary.dump import load
 from kvcanary.synth import PAGED_FAULT_KINDS, faults_from_dump
+from kvcanary.synth.faults import default_target
 
 SMALL = dict(faults_per_kind=8, clean_runs=4, seed=4, backend="numpy", layout="paged")
 
@@ -45,7 +46,7 @@ def test_small_paged_campaign_meets_every_target(report):
                 assert cell.detected == cell.visible == cell.injected
     text = render(report, "markdown")
     assert text.startswith("## kvcanary coverage campaign, paged layout (block tables)")
-    assert "| interior | evicted-block | all |" in text and "block size 4:" in text
+    assert "| shared | evicted-block | all |" in text and "block size 4:" in text
     assert json.loads(render(report, "json"))["campaign"]["layout"] == "paged"
 
 
@@ -58,7 +59,7 @@ def test_paged_workloads_sample_every_block_size():
 
 def test_printed_command_rebuilds_paged_faults(tmp_path):
     config = PAGED.sample_config(np.random.default_rng(3), "all")
-    plan = [[(k, 2, "interior") for k in PAGED_FAULT_KINDS]]
+    plan = [[(k, 2, default_target(k)) for k in PAGED_FAULT_KINDS]]
     out = run_fault_task({"index": 0, "config": config, "backends": ["numpy"], "plan": plan})
     assert out["injections"] and not out["misses"]
     command = synth_command(config, out["injections"][0]).replace("repro.npz",
@@ -87,7 +88,7 @@ def test_broken_detector_fails_the_paged_campaign(monkeypatch):
     failed = run_campaign(faults_per_kind=2, clean_runs=0, seed=1, backend="numpy", jobs=1,
                           layout="paged")
     assert not failed.passed
-    assert any(f.startswith("evicted-block at interior entries in mode") for f in failed.failures())
+    assert any(f.startswith("evicted-block at head entries in mode") for f in failed.failures())
 
 
 def test_cli_layout_option():

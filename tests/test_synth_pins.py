@@ -26,19 +26,20 @@ SYNTH_PINS = [
      "e90901627d5620e9d6c3eeb05d4bf2bf0c956228873764da0d6aa75e5ec0ecf3"),
 ]
 CAMPAIGN_PIN = "e8517952b2a109bda639ad148a5f8c907c836dc2c1997d230219ae25c48beba3"
-# Paged engines (block tables): every paged fault kind, twice where the run has room (a kind
-# that runs out is refused, and the refusals are pinned too); paged faults have no classes.
+# Paged engines (block tables): every paged fault kind at its default class, twice where the
+# run has room (a kind that runs out is refused, and the refusals are pinned too).
 PAGED_SYNTH_PINS = [
     (dict(seed=0, block_size=4),
-     "1c0f49fc474a1edaa8123bcbbd1df2762da5faf768a3886bba67b44a8d4adc82", []),
+     "2adc5186f4bc3ac461889e4b4a0616c8b3f2cda173a081a7de864231a62b2ea9", []),
     (dict(seed=5, block_size=8, swa_window=24, sources=3, mode="partial"),
-     "f4b985aec7c71b6a820471d6a4958d62825101e665a3b458e646a0f360339add", ["swap", "evicted-block"]),
+     "8e78d7554421186c3042537c9f4d578b2d66f0bd290579cee221f2b3567fccb0",
+     ["alias", "swap", "evicted-block"]),
     (dict(seed=1, block_size=16, num_slots=2048, sources=2, chunk_size=17),
-     "4163e078f6b272f2cfb091468c8948235636d0b67a9646a26a842ce0c24913c5", ["swap"]),
+     "d6e953bd18b3a3f8d79763ca7d3148b2dae7c0ff3cef22ddec7d74480843f1a0", ["swap", "evicted-block"]),
     (dict(seed=3, block_size=4, sources=2, mode="none"),
-     "76b8babf6127c829a48ac81a1eabb5acc96c497297d8ba8ccd827a95ad70efcd", []),
+     "1b8c9440834497160bbd924b5a358ab7ff29d2a3331ff4c5edc04ee4e40943c1", []),
 ]
-PAGED_CAMPAIGN_PIN = "ea892a8fdb306317ea20423df5d4eaacc8e9588ac8d1fbbd5b959d3461081ded"
+PAGED_CAMPAIGN_PIN = "9a30f38f696cc3bf50ea2f7923bb75b64fd67d285a0d90f2ac2fedc7f5184ad2"
 
 
 def digest_arrays(arrays: dict) -> str:

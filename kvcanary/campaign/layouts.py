@@ -16,7 +16,7 @@ import numpy as np
 
 from ..consts import REAL_KV_PARTIAL_READ_BYTES
 from ..synth import MODES, TARGET_CLASSES, fault_kinds
-from ..synth.faults import PAIR_KINDS, PAIR_SHAPES, PAIRS_NOT_UNION
+from ..synth.faults import BLOCK_KINDS, PAIR_KINDS, PAIR_SHAPES, PAIRS_NOT_UNION, kind_targets
 
 RULES = ("kvcanary", "compat")
 RULE_WORDS = {"kvcanary": "kvcanary rules (default audit)",
@@ -71,8 +71,7 @@ class Layout:
     """One table form. ``targets`` are its target classes, ``pair_shapes`` its interacting
     pairs; ``fill_order`` is the order an injection fills the classes (the scarce ones first);
     ``per_injection`` and ``class_yield`` size an injection and a round (faults of one
-    kind per target class; the next round fixes any shortfall); ``one_injection`` puts every
-    kind of a run into one injection instead of one injection per kind; ``clean_classes``
+    kind per target class; the next round fixes any shortfall); ``clean_classes``
     are the classes every clean run must verify (a sampled workload without them is
     replaced). The workload fields: ranges are ``integers(low, high)``, tuples a choice."""
     name: str
@@ -84,7 +83,7 @@ class Layout:
     pair_shapes: tuple
     per_injection: dict
     class_yield: dict
-    one_injection: bool
+    block_yield: dict           # paged: class_yield of the kinds that claim a whole block
     clean_classes: tuple
     requests: range
     num_slots: object           # an int, or a tuple to choose from
@@ -106,7 +105,7 @@ class Layout:
     def cells(self) -> list:
         """Every ``(target class, kind, mode, scope)`` the campaign fills."""
         return [(target, kind, mode, scope) for target in self.targets for kind in self.kinds
-                for mode in MODES for scope in scopes(kind, mode)]
+                if target in kind_targets(kind) for mode in MODES for scope in scopes(kind, mode)]
 
     def sample_config(self, rng: np.random.Generator, mode: str, *, clean: bool = False) -> dict:
         """A small randomized workload whose every field is a ``kvcanary synth`` option; a
@@ -139,26 +138,17 @@ class Layout:
         16 bytes, gets two injections (classes filled in reverse order in the second)."""
         return 2 if (kind, mode) == ("real-kv-byte", "partial") else 1
 
-    def want(self, target: str, kind: str, mode: str) -> int:
-        """Faults of a kind asked for at a class in one injection."""
-        n = self.per_injection[target]
-        if not self.paged:
-            return n
-        if kind == "real-kv-byte":    # 4 cover a 64-byte slot's 16-byte windows
-            return 8 if mode == "partial" else 4
-        return 1 if kind == "evicted-block" else n   # few cached blocks live requests map
-
     def expected_yield(self, target: str, kind: str, mode: str, scope: str,
                        sources_share: float = 0.8) -> float:
         """Expected faults per run of a cell, to size a round."""
-        n = self.class_yield[target] if not self.paged else self.want(target, kind, mode)
+        n = (self.block_yield if kind in BLOCK_KINDS and self.paged else self.class_yield)[target]
         if kind == "real-kv-byte":
-            n *= sources_share * (1 if self.paged else self.injections(kind, mode))
+            n *= sources_share * self.injections(kind, mode)
             if scope == LOW:
                 n *= 0.55
             elif scope == HIGH:
                 n *= 0.4
-        return max(0.5, n * (0.9 if self.paged else 0.95))
+        return max(0.5, n * 0.95)
 
     def plan(self, rng: np.random.Generator, config: dict, need: dict, i: int) -> list:
         """Run ``i`` of a round: the injections, each a list of ``(kind, count, target)``, for
@@ -167,16 +157,11 @@ class Layout:
         for k in self.kinds:
             if k == "real-kv-byte" and config["sources"] == 0:
                 continue
-            targets = [(k, self.want(t, k, config["mode"]), t) for t in self.fill_order
+            targets = [(k, self.per_injection[t], t) for t in self.fill_order
                        if need.get((t, k), 0) > i]
             if targets:
                 plan += [targets if j == 0 else targets[::-1]
-                         for j in range(1 if self.one_injection else
-                                        self.injections(k, config["mode"]))]
-        if self.one_injection:
-            flat = [entry for injection in plan for entry in injection]
-            order = rng.permutation(len(flat)).tolist()
-            return [[flat[n] for n in order]] if flat else []
+                         for j in range(self.injections(k, config["mode"]))]
         if self.pair_shapes:
             combos = rng.choice(len(PAIR_COMBOS), PAIR_COMBOS_PER_RUN, replace=False)
             plan.append([("+".join(PAIR_COMBOS[c]), PAIRS_PER_COMBO, shape)
@@ -225,17 +210,23 @@ PER_TOKEN = Layout(
     per_injection={"head": 64, "window-head": 64, "last": 64, "chunk-boundary": 64,
                    "shared": 32, "cached": 8, "interior": 8},
     class_yield={"head": 6.0, "window-head": 6.0, "last": 15.0, "chunk-boundary": 26.0,
-                 "shared": 16.0, "cached": 8.0, "interior": 8.0},
-    one_injection=False, clean_classes=("shared", "window-head", "chunk-boundary"),
+                 "shared": 16.0, "cached": 8.0, "interior": 8.0}, block_yield={},
+    clean_classes=("shared", "window-head", "chunk-boundary"),
     requests=range(48, 97), num_slots=8192, max_running=range(16, 33), page_sizes=(1, 16, 64),
     prompt_len=(8, 48))
 # Paged engines: block sizes, and prompts long enough that a request owns several whole
-# blocks (block faults claim a block and its neighbours); faults at interior entries.
+# blocks (block faults claim a block and its neighbours).
 PAGED = Layout(
     name="paged", title=", paged layout (block tables)",
     tables="paged: block tables of 4/16/32-slot blocks", paged=True,
-    targets=("interior",), fill_order=("interior",), pair_shapes=(), per_injection={"interior": 3},
-    class_yield={"interior": 3.0}, one_injection=True, clean_classes=(),
-    requests=range(16, 33), num_slots=(2048, 4096), max_running=range(4, 9),
+    targets=TARGET_CLASSES, fill_order=PER_TOKEN.fill_order, pair_shapes=(),
+    # (measured over sampled workloads; the scarce classes first, as per token)
+    per_injection={"head": 16, "window-head": 16, "last": 16, "chunk-boundary": 16,
+                   "shared": 8, "cached": 4, "interior": 4},
+    class_yield={"head": 1.9, "window-head": 1.5, "last": 3.9, "chunk-boundary": 7.6,
+                 "shared": 3.8, "cached": 4.0, "interior": 4.0},
+    block_yield={"head": 1.1, "window-head": 0.8, "last": 1.5, "chunk-boundary": 0.8,
+                 "shared": 0.6, "cached": 1.2, "interior": 0.4},
+    clean_classes=(), requests=range(16, 33), num_slots=(2048, 4096), max_running=range(4, 9),
     page_sizes=(4, 16, 32), prompt_len=(16, 96))
 LAYOUTS = {layout.name: layout for layout in (PER_TOKEN, PAGED)}

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 
-from ..synth import MODES
 from ..synth.faults import PAIRS_NOT_UNION
-from .layouts import BYTES_PER_TOKEN, RULE_WORDS, RULES, designed, scopes
+from .layouts import BYTES_PER_TOKEN, RULE_WORDS, RULES, designed
 from .model import MAX_REPORTED, CampaignError, CampaignReport, Cell
 
 HEADER = ["target", "fault kind", "mode", "injected", "detected", "rate",
@@ -25,25 +24,21 @@ def _fired_text(cell: Cell) -> str:
 def table_rows(report: CampaignReport, backend: str, rules: str) -> list:
     """``[class, kind, mode, injected, detected, rate, sites, checks fired, status]`` per row."""
     rows = []
-    form = report.form
-    for target in form.targets:
-        for kind in form.kinds:
-            for mode in MODES:
-                for scope in scopes(kind, mode):
-                    c = report.cell(backend, rules, target, kind, mode, scope)
-                    should, why = designed(kind, mode, scope, rules, target)
-                    name = f"{kind} ({scope})" if scope else kind
-                    if should:
-                        rate = f"{100.0 * c.detected / c.visible:.2f}%" if c.visible else "-"
-                        status = "designed to see" + ("" if c.detected == c.visible else
-                                                      f"; MISSED {c.visible - c.detected}")
-                        rows.append([target, name, mode, str(c.injected), str(c.detected), rate,
-                                     f"{c.sites} ({c.multi_row})", _fired_text(c), status])
-                    else:
-                        status = f"not designed to see: {why}" + (
-                            f"; {c.stray} with findings at a site" if c.stray else "")
-                        rows.append([target, name, mode, str(c.injected), "-", "n/a", "-",
-                                     _fired_text(c), status])
+    for target, kind, mode, scope in report.form.cells():
+        c = report.cell(backend, rules, target, kind, mode, scope)
+        should, why = designed(kind, mode, scope, rules, target)
+        name = f"{kind} ({scope})" if scope else kind
+        if should:
+            rate = f"{100.0 * c.detected / c.visible:.2f}%" if c.visible else "-"
+            status = "designed to see" + ("" if c.detected == c.visible else
+                                          f"; MISSED {c.visible - c.detected}")
+            rows.append([target, name, mode, str(c.injected), str(c.detected), rate,
+                         f"{c.sites} ({c.multi_row})", _fired_text(c), status])
+        else:
+            status = f"not designed to see: {why}" + (
+                f"; {c.stray} with findings at a site" if c.stray else "")
+            rows.append([target, name, mode, str(c.injected), "-", "n/a", "-",
+                         _fired_text(c), status])
     return rows
 
 

@@ -11,8 +11,7 @@ from ..dump import DUMP_VERSION, VERSION_KEY, Dump, validate
 from .allocator import SlotAllocator
 from .config import Stats, SynthConfig, SynthError
 from .dump_writer import dump_arrays, live_requests, sweep_entries
-from .faults import DEFAULT_TARGET, FaultInjector
-from .faults_paged import PagedFaultInjector
+from .faults import FaultInjector, default_target
 from .kv_pool import KvPool
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
@@ -35,7 +34,7 @@ class Synthesis:
         self.scheduler = Scheduler(c, self.allocator, self.cache, self.workload, self.pool,
                                    self.stats)
         self.faults: list = []
-        self.injector = PagedFaultInjector(self) if c.paged else FaultInjector(self)
+        self.injector = FaultInjector(self)
 
     # The state readers (tests, the CLI, fault injection) look at.
     table = property(lambda self: self.scheduler.table.array)   # req_to_token or block_table
@@ -70,14 +69,15 @@ class Synthesis:
     def _step(self) -> None:
         self.scheduler.step()
 
-    def inject(self, kind: str, count: int = 1, target: str = DEFAULT_TARGET) -> list:
-        """Inject ``count`` faults of ``kind`` at ``target`` entries of the final state (a
-        SynthError when fewer fit); returns them."""
-        return self.injector.inject(kind, count, target)
+    def inject(self, kind: str, count: int = 1, target: str | None = None) -> list:
+        """Inject ``count`` faults of ``kind`` at ``target`` entries of the final state (by
+        default the kind's :func:`~kvcanary.synth.faults.default_target`; a SynthError when
+        fewer fit); returns them."""
+        return self.injector.inject(kind, count, target or default_target(kind))
 
-    def inject_up_to(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
+    def inject_up_to(self, kind: str, count: int, target: str | None = None) -> list:
         """Inject at most ``count`` faults, as many as there are free ``target`` entries."""
-        return self.injector.inject_up_to(kind, count, target)
+        return self.injector.inject_up_to(kind, count, target or default_target(kind))
 
     def live(self) -> tuple:
         return live_requests(self.running)

@@ -1,20 +1,23 @@
-"""Fault injection into a finished run's state, with ground truth.
+"""Fault injection into a finished run's state, with ground truth, for per-token and paged
+engines alike.
 
 A fault has a kind (what goes wrong) and a target class (where: a request's head, a shared
-prefix-cache block, a window edge, ...). Its ground truth is the list of *sites*, the verify
-entries that read what the fault changed, each with the bits it must fire there: every live
-request that maps a changed record (and the prefix cache's sweep entry of it), or the one
-entry whose table slot changed.
+prefix-cache block, a window edge, ...). It is a mutation plus its *footprint*: one slot, or
+on a paged engine (block tables) a whole block for the faults that lose a block (table
+entries, reallocation, eviction: :data:`BLOCK_KINDS`). Its ground truth is the list of
+*sites*, the verify entries that read what the fault changed, each with the bits it must fire
+there: every live request that maps a changed record (and the prefix cache's sweep entry of
+it), or the entries whose table entry changed.
 
-Faults of one injector never interact: a target's slot is never another target's slot or a
-chain neighbour of one (in any request row or sweep chain), because a changed record breaks
+Faults of one injector never interact: a target's slots are never another target's slots or
+chain neighbours of them (in any request row or sweep chain), because a changed record breaks
 its successor's chain link. Candidates are filtered without random draws and a failed pick
 gives its draws back, so ``inject(kind, n)`` after ``k`` placed faults of a kind that ran out
 leaves the generator exactly where ``inject(kind, k)`` would have.
 
-A target class is a mask over the verify entries of the final state (``_class_masks``). A
-paged engine's faults are placed by :mod:`.faults_paged` (interior entries of request-owned
-blocks); block-first and block-last classes would be two more masks here.
+A target class is a mask over the verify entries of the final state (``_class_masks``), one
+entry table for both layouts; its ``unit`` column names the table entry an entry reads
+through (a position, or a block of positions).
 """
 
 from __future__ import annotations
@@ -95,6 +98,35 @@ EXPECTED_BITS = {
     "evicted-block": FailReason.VERIFY_POSITION_MISMATCH,
 }
 REQUEST, SWEEP = "request", "sweep"
+# Kinds whose paged form loses a whole block, and the classes evicted-block can reach (the
+# entries of prefix-cache blocks live requests map).
+BLOCK_KINDS = ("alias", "swap", "stale-reuse", "slot-zero", "evicted-block")
+KIND_TARGETS = {"evicted-block": ("head", "shared")}
+
+
+def kind_targets(kind: str) -> tuple:
+    """The target classes a fault kind can be placed at."""
+    return KIND_TARGETS.get(kind, TARGET_CLASSES)
+
+
+def default_target(kind: str) -> str:
+    return DEFAULT_TARGET if DEFAULT_TARGET in kind_targets(kind) else kind_targets(kind)[-1]
+
+
+def real_kv_byte_visible(mode: RealKvHashMode, offset: int) -> bool:
+    """Whether a changed byte at ``offset`` of a slot's real KV changes its record's hash."""
+    return mode == RealKvHashMode.ALL or (
+        mode == RealKvHashMode.PARTIAL and offset < REAL_KV_PARTIAL_READ_BYTES)
+
+
+def real_kv_byte_note(mode: RealKvHashMode, offset: int) -> str:
+    """:func:`real_kv_byte_visible`, in words."""
+    if mode == RealKvHashMode.NONE:
+        return "not visible in none mode (real KV bytes are not hashed)"
+    if not real_kv_byte_visible(mode, offset):
+        return (f"not visible in partial mode (byte {offset} is outside the "
+                f"{REAL_KV_PARTIAL_READ_BYTES} bytes partial mode hashes)")
+    return f"byte {offset} of the slot's real KV"
 
 
 def site_bits(kind: str, entry: str, position: int, prev: int, real_kv_visible: bool) -> int:
@@ -159,16 +191,16 @@ def inapplicable_kinds(config) -> dict:
 def parse_inject(specs, config=None) -> list:
     """``["token", "alias:3@head"]`` -> ``[("token", 1, "interior"), ("alias", 3, "head")]``;
     kind ``all`` means every kind that applies to ``config`` (see :func:`inapplicable_kinds`),
-    class ``all`` every target class; ``token+position:2@chain-seam`` places two interacting
-    pairs. A paged ``config`` takes the paged kinds (:func:`fault_kinds`), at interior entries
-    only."""
+    class ``all`` every target class the kind reaches; ``token+position:2@chain-seam`` places
+    two interacting pairs (per-token runs). A paged ``config`` takes the paged kinds
+    (:func:`fault_kinds`)."""
     skipped = inapplicable_kinds(config) if config is not None else {}
     paged = config is not None and config.paged
     result = []
     for spec in specs:
         body, _, target = spec.partition("@")
         kind, _, count = body.partition(":")
-        kind, target = kind.strip(), target.strip() or DEFAULT_TARGET
+        kind, target = kind.strip(), target.strip()
         try:
             number = int(count) if count else 1
         except ValueError:
@@ -177,8 +209,9 @@ def parse_inject(specs, config=None) -> list:
             raise SynthError(f"--inject {spec}: COUNT must be at least 1")
         kinds = ([k for k in fault_kinds(paged) if k not in skipped] if kind == "all"
                  else (kind,))
-        targets = TARGET_CLASSES if target == "all" and not paged else (target,)
         for name in kinds:
+            targets = (kind_targets(name) if target == "all" and name in fault_kinds(True)
+                       else (target or default_target(name),))
             for where in targets:
                 _check(name, where, paged)
                 result.append((name, number, where))
@@ -186,29 +219,26 @@ def parse_inject(specs, config=None) -> list:
 
 
 def _check(kind: str, target: str, paged: bool = False) -> None:
-    if paged:
-        if kind not in PAGED_FAULT_KINDS:
-            raise SynthError(_unknown_kind(kind, PAGED_FAULT_KINDS) + ", or all)")
-        if target != DEFAULT_TARGET:
-            raise SynthError(f"--inject {kind}@{target}: a paged run (--block-size) places "
-                             f"faults at {DEFAULT_TARGET} entries only")
-        return
     if target in PAIR_SHAPES:
         first, plus, second = kind.partition("+")
+        if paged:
+            raise SynthError(f"--inject {kind}@{target}: pair shapes are per-token only "
+                             "(a paged fault's block would cover its partner)")
         if not plus or first not in PAIR_KINDS or second not in PAIR_KINDS:
             raise SynthError(f"--inject {kind}@{target}: a pair shape takes KIND+KIND, each "
                              f"one of {', '.join(PAIR_KINDS)}")
         return
-    if kind not in FAULT_KINDS:
-        raise SynthError(_unknown_kind(kind, FAULT_KINDS) + ", or all)")
+    kinds = fault_kinds(paged)
+    if kind not in kinds:
+        needs = " (needs --block-size)" if kind in PAGED_FAULT_KINDS else ""
+        raise SynthError(f"--inject: unknown fault kind {kind!r}{needs} (one of "
+                         f"{', '.join(kinds)}, or all)")
     if target not in TARGET_CLASSES:
         raise SynthError(f"--inject: unknown target class {target!r} (one of "
                          f"{', '.join(TARGET_CLASSES + PAIR_SHAPES)}, or all)")
-
-
-def _unknown_kind(name: str, kinds) -> str:
-    paged = " (needs --block-size)" if name in PAGED_FAULT_KINDS else ""
-    return f"--inject: unknown fault kind {name!r}{paged} (one of {', '.join(kinds)}"
+    if target not in kind_targets(kind):
+        raise SynthError(f"--inject {kind}@{target}: {kind} reaches only "
+                         f"{', '.join(kind_targets(kind))} entries")
 
 
 @dataclass
@@ -220,6 +250,8 @@ class _Entries:
     position: np.ndarray
     slot: np.ndarray       # canary slot read
     prev: np.ndarray       # canary slot of the predecessor (-1 head, 0 unreachable)
+    unit: np.ndarray       # the table entry read through: same value, same position or block
+    unit_slots: np.ndarray  # [entries, block size] canary slots of the unit (-1: unwritten)
     masks: dict            # target class -> bool mask over the entries
 
 
@@ -228,6 +260,8 @@ class FaultInjector:
 
     def __init__(self, synthesis):
         self.s = synthesis
+        self.paged = synthesis.config.paged
+        self.bs = synthesis.scheduler.table.block_size   # positions per table entry
         self._entries = None
         self._sweep = None
         self.blocked = None                # canary slot -> taken or next to a target
@@ -247,7 +281,7 @@ class FaultInjector:
         """Inject up to ``count`` faults, stopping (with the generator untouched by the failed
         attempt) when no target entry is left."""
         s = self.s
-        _check(kind, target)
+        _check(kind, target, self.paged)
         if count < 1:
             raise SynthError(f"--inject {kind}: COUNT must be at least 1, got {count}")
         if kind == "real-kv-byte" and not s.sources:
@@ -279,16 +313,17 @@ class FaultInjector:
         return self._entries
 
     def _build_entries(self) -> _Entries:
-        s = self.s
-        c, canary = s.config, s.allocator.canary_slots
+        s, bs = self.s, self.bs
+        c, canary, table = s.config, s.allocator.canary_slots, s.scheduler.table
         W = c.swa_window
-        cols = {name: [] for name in ("entry", "batch", "row", "position", "slot", "prev")}
+        names = ("entry", "batch", "row", "position", "slot", "prev", "unit", "unit_slots")
+        cols = {name: [] for name in names}
         meta = {name: [] for name in ("matched", "seq_len", "prompt_len", "start")}
+        offsets = np.arange(bs, dtype=np.int64)
         for b, request in enumerate(s.running):
             start = max(0, request.seq_len - W) if W else 0
             positions = np.arange(start, request.seq_len, dtype=np.int64)
-            full = s.table[request.row, :request.seq_len].astype(np.int64)
-            slots = canary(full)
+            slots = canary(table.slots(request.row, 0, request.seq_len))
             prev = np.full(positions.shape, -1, dtype=np.int64)
             prev[positions > 0] = slots[positions[positions > 0] - 1]
             n = positions.shape[0]
@@ -297,6 +332,10 @@ class FaultInjector:
             cols["position"].append(positions)
             cols["slot"].append(slots[start:])
             cols["prev"].append(prev)
+            cols["unit"].append(b * (c.max_context_len + 1) + positions // bs)
+            unit = positions[:, None] // bs * bs + offsets
+            cols["unit_slots"].append(np.where(unit < request.seq_len,
+                                               slots[np.minimum(unit, request.seq_len - 1)], -1))
             for name, value in (("matched", request.matched), ("seq_len", request.seq_len),
                                 ("prompt_len", request.prompt_len), ("start", start)):
                 meta[name].append(np.full(n, value, dtype=np.int64))
@@ -308,6 +347,10 @@ class FaultInjector:
         cols["position"].append(sweep.positions)
         cols["slot"].append(sweep.slots)
         cols["prev"].append(sweep.prevs)
+        k = np.arange(m, dtype=np.int64)
+        cols["unit"].append(-1 - k // bs)
+        cols["unit_slots"].append(sweep.slots[(k // bs * bs)[:, None] + offsets].reshape(m, bs)
+                                  if m else np.zeros((0, bs), dtype=np.int64))
         for name in meta:
             meta[name].append(np.full(m, -1, dtype=np.int64))
         e = {name: np.concatenate(v) for name, v in cols.items()}
@@ -339,19 +382,59 @@ class FaultInjector:
             # first entries of the pair shapes (the second: ``_place_pair``)
             "shared-block": reachable,
             "chain-seam": reachable & (p == mt["matched"] - 1),
+            "mapped-cached": live & ~owned,     # in a prefix-cache block the request holds
         }
 
     # ------------------------------------------------------------------ picking
 
     def _pick_for(self, kind: str, target: str) -> int:
-        """A lost write prefers a slot its first occupant wrote (a real never-written slot)."""
+        """A lost write prefers a slot its first occupant wrote (a real never-written slot); a
+        paged block fault a unit none of whose slots is taken (and, evicted-block, one of a
+        cached block live requests map)."""
+        e = self.entries()
         if kind == "lost-write":
-            e = self.entries()
             try:
                 return self._pick(target, self.s.pool.write_count[e.slot] == 1)
             except _NoTarget:
                 pass
+        if self.paged and kind in BLOCK_KINDS:
+            where = self._free_units()
+            if kind == "evicted-block":
+                where &= self._evictable()
+            return self._pick(target, where)
         return self._pick(target)
+
+    def _free_units(self, whole: bool = False) -> np.ndarray:
+        """Entries whose unit has no taken slot; ``whole``: and every slot of it written and
+        readable (a unit another entry is pointed at). A no-op per token (the unit is the
+        entry's own slot, which ``_pick`` checks)."""
+        u = self.entries().unit_slots
+        written = u > 0
+        free = ~(self.blocked[np.maximum(u, 0)] & written).any(axis=1)
+        return free & written.all(axis=1) if whole else free
+
+    def _evictable(self) -> np.ndarray:
+        """Entries of cached blocks live requests map whose subtree holds no taken slot (an
+        earlier fault's sweep sites would vanish with it)."""
+        s, e = self.s, self.entries()
+        ok = np.zeros(e.slot.shape, dtype=bool)
+        seen = {}
+        for i in np.flatnonzero(e.masks["mapped-cached"]).tolist():
+            block = self._mapped_block(i)
+            if id(block) not in seen:
+                cached = s.cache.blocks.get(block.key) is block
+                gone = self._subtree_slots(block) if cached else None
+                seen[id(block)] = cached and not self.blocked[gone[gone > 0]].any()
+            ok[i] = seen[id(block)]
+        return ok
+
+    def _mapped_block(self, i: int):
+        e = self.entries()
+        return self.s.running[int(e.batch[i])].blocks[int(e.position[i]) // self.bs]
+
+    def _subtree_slots(self, block) -> np.ndarray:
+        below = [b.slots for b in self.s.cache.values() if _descends(b, block)]
+        return self.s.allocator.canary_slots(np.concatenate(below).astype(np.int64))
 
     def _apply(self, kind: str, target: str, i: int) -> Fault:
         return getattr(self, "_apply_" + kind.replace("-", "_"))(target, i)
@@ -405,6 +488,23 @@ class FaultInjector:
                     slot=int(reads), bits=site_bits(kind, entry, int(e.position[i]),
                                                    int(e.prev[i]), real_kv_visible))
 
+    def _unit_sites(self, kind: str, i: int, reads) -> tuple:
+        """The entries of ``i``'s unit, each now reading ``reads`` (a slot, or the canary
+        slots of a unit by offset; no site where that is unwritten or a freed SWA slot)."""
+        e = self.entries()
+        reads = np.broadcast_to(reads, (self.bs,))
+        least = 0 if kind == "slot-zero" else 1
+        return tuple(self._site(kind, u, int(reads[e.position[u] % self.bs]))
+                     for u in self._unit(i) if reads[e.position[u] % self.bs] >= least)
+
+    def _unit(self, i: int) -> list:
+        e = self.entries()
+        return [i] if self.bs == 1 else np.flatnonzero(e.unit == e.unit[i]).tolist()
+
+    def _unit_taken(self, i: int) -> list:
+        u = self.entries().unit_slots[i]
+        return [int(x) for x in u if x > 0]
+
     def _fault(self, kind, target, i, sites, *, detail=-1, note="") -> Fault:
         e = self.entries()
         expected = 0
@@ -420,18 +520,23 @@ class FaultInjector:
         return self.s.canary.view("<i8")[:, :4]
 
     def _set_table(self, i: int, full_slot: int) -> None:
-        """Point entry ``i``'s table slot (a request row, or a cached block) at ``full_slot``."""
+        """Point entry ``i``'s table entry (a request row's, or a cached block's) at
+        ``full_slot``: on a paged engine the block holding it."""
         e = self.entries()
         if e.entry[i] == 0:
-            self.s.table[e.row[i], e.position[i]] = full_slot
+            table = self.s.scheduler.table
+            table.array[e.row[i], e.position[i] // self.bs] = full_slot // self.bs
         else:
             block, k = self._sweep.owner(i - int(np.count_nonzero(e.entry == 0)))
-            block.slots[k] = full_slot
+            k0 = k // self.bs * self.bs
+            block.slots[k0:k0 + self.bs] = (full_slot // self.bs * self.bs
+                                            + np.arange(self.bs)) if full_slot else 0
 
     def _table_slot(self, i: int) -> int:
         e = self.entries()
         if e.entry[i] == 0:
-            return int(self.s.table[e.row[i], e.position[i]])
+            return int(self.s.scheduler.table.slots(e.row[i], e.position[i],
+                                                    e.position[i] + 1)[0])
         block, k = self._sweep.owner(i - int(np.count_nonzero(e.entry == 0)))
         return int(block.slots[k])
 
@@ -474,16 +579,8 @@ class FaultInjector:
         view[slot // c.page_size, slot % c.page_size, offset] ^= np.uint8(
             1 << int(rng.integers(8)))
         self.real_kv_faults += 1
-        mode = c.hash_mode
-        visible = mode == RealKvHashMode.ALL or (
-            mode == RealKvHashMode.PARTIAL and offset < REAL_KV_PARTIAL_READ_BYTES)
-        if mode == RealKvHashMode.NONE:
-            note = "not visible in none mode (real KV is not hashed)"
-        elif not visible:
-            note = (f"not visible in partial mode (byte {offset} is outside the "
-                    f"{REAL_KV_PARTIAL_READ_BYTES} bytes partial hashes)")
-        else:
-            note = f"byte {offset} of source {source}"
+        visible = real_kv_byte_visible(c.hash_mode, offset)
+        note = real_kv_byte_note(c.hash_mode, offset) + f" (source {source})"
         self._take(slot)
         return self._fault("real-kv-byte", target, i,
                            self._record_sites("real-kv-byte", slot, visible),
@@ -503,22 +600,49 @@ class FaultInjector:
                            note=note)
 
     def _apply_stale_reuse(self, target, i):
-        s = self.s
-        slot = int(self.entries().slot[i])
-        p = int(self.entries().position[i])
-        new_position = p + 1 + int(s.rng.integers(1, 64))
-        token = int(s.workload.tokens(1)[0])
-        s.pool.write_kv(np.array([slot], dtype=np.int64), np.array([token], dtype=np.int64),
-                        np.array([new_position], dtype=np.int64))
-        s.pool.write_count[slot] += 1
-        self._rewrites.append((slot, token, new_position))
-        self._take(slot)
-        return self._fault("stale-reuse", target, i, self._record_sites("stale-reuse", slot),
+        """The slot (paged: every written slot of the block) reallocated and rewritten as
+        another sequence's, from a position past the unit's end."""
+        s, e = self.s, self.entries()
+        high = (int(e.position[i]) // self.bs + 1) * self.bs
+        new_position = high + int(s.rng.integers(1, 64))
+        slots = self._unit_taken(i)
+        self._rewrite(slots, new_position)
+        return self._fault("stale-reuse", target, i,
+                           sum((self._record_sites("stale-reuse", x) for x in slots), ()),
                            detail=new_position,
                            note=f"rewritten as position {new_position} of another sequence")
 
+    def _rewrite(self, slots: list, first_position: int) -> None:
+        s = self.s
+        tokens = s.workload.tokens(len(slots)).astype(np.int64)
+        positions = first_position + np.arange(len(slots), dtype=np.int64)
+        index = np.array(slots, dtype=np.int64)
+        s.pool.write_kv(index, tokens, positions)
+        s.pool.write_count[index] += 1
+        self._rewrites += zip(slots, tokens.tolist(), positions.tolist())
+        self._take(*slots)
+
+    def _apply_evicted_block(self, target, i):
+        """A cached block that live requests map evicted (as if its reference count had
+        dropped to 0) with the cached blocks below it, reallocated and rewritten: every live
+        entry that maps it reads another sequence's records; its sweep entries are gone."""
+        s = self.s
+        block = self._mapped_block(i)
+        gone = self._subtree_slots(block)
+        slots = self._unit_taken(i)
+        s.cache.drop_subtree(block)
+        new_position = (block.depth + 1) * self.bs + int(s.rng.integers(1, 64))
+        self._rewrite(slots, new_position)
+        self._take(*gone[gone > 0].tolist())
+        sites = tuple(site for x in slots for site in self._record_sites("evicted-block", x)
+                      if site.entry == REQUEST)
+        return self._fault("evicted-block", target, i, sites, detail=new_position,
+                           note=f"cached block at positions {block.depth * self.bs}.."
+                                f"{(block.depth + 1) * self.bs - 1} evicted while live "
+                                f"requests map it; rewritten from position {new_position}")
+
     def _write_rewrites(self) -> None:
-        """Write the pending stale-reuse records in one launch: each its own one-token
+        """Write the pending rewritten records in one launch: each its own one-token
         sequence (a chain head), as if written one by one. No other fault touches their
         slots, so writing them at the end of an ``inject`` call changes nothing else."""
         if not self._rewrites:
@@ -536,19 +660,27 @@ class FaultInjector:
 
     def _apply_alias(self, target, i):
         e = self.entries()
-        other = self._pick("interior", (e.batch != e.batch[i]) & (e.position != e.position[i])
-                           & (e.slot != e.slot[i]))
+        where = (e.batch != e.batch[i]) & (e.position != e.position[i]) & (e.slot != e.slot[i])
+        if self.bs > 1:     # another request's whole block, at other positions
+            where &= (e.position // self.bs != e.position[i] // self.bs) & \
+                (e.position % self.bs == e.position[i] % self.bs) & self._free_units(whole=True)
+        other = self._pick("interior", where)
         self._set_table(i, self._table_slot(other))
         into = int(e.slot[other])
-        self._take(int(e.slot[i]), into)
-        return self._fault("alias", target, i, (self._site("alias", i, into),), detail=into,
+        self._take(*self._unit_taken(i), *self._unit_taken(other))
+        return self._fault("alias", target, i,
+                           self._unit_sites("alias", i, e.unit_slots[other]), detail=into,
                            note=f"now maps slot {into} (request row {int(e.row[other])}, "
                                 f"position {int(e.position[other])})")
 
     def _apply_swap(self, target, i):
         e = self.entries()
-        same = (e.entry == e.entry[i]) & (np.abs(e.position - e.position[i]) > 1) \
+        same = (e.entry == e.entry[i]) & (np.abs(e.position // self.bs
+                                                 - e.position[i] // self.bs) > 1) \
             & (e.slot != e.slot[i])
+        if self.bs > 1:
+            same &= (e.position % self.bs == e.position[i] % self.bs) & \
+                self._free_units(whole=True)
         if e.entry[i] == 0:
             j = self._pick("interior", same & (e.batch == e.batch[i]))
         else:
@@ -556,16 +688,25 @@ class FaultInjector:
         a, b = self._table_slot(i), self._table_slot(j)
         self._set_table(i, b)
         self._set_table(j, a)
-        self._take(int(e.slot[i]), int(e.slot[j]))
-        sites = (self._site("swap", i, int(e.slot[j])), self._site("swap", j, int(e.slot[i])))
+        self._take(*self._unit_taken(i), *self._unit_taken(j))
+        sites = (self._unit_sites("swap", i, e.unit_slots[j])
+                 + self._unit_sites("swap", j, e.unit_slots[i]))
         return self._fault("swap", target, i, sites, detail=int(e.position[j]),
                            note=f"exchanged with position {int(e.position[j])}")
 
     def _apply_slot_zero(self, target, i):
         self._set_table(i, 0)
-        self._take(int(self.entries().slot[i]))
-        return self._fault("slot-zero", target, i, (self._site("slot-zero", i, 0),),
+        self._take(*self._unit_taken(i))
+        return self._fault("slot-zero", target, i, self._unit_sites("slot-zero", i, 0),
                            note="seen only by kvcanary's SLOT_ZERO_IN_PREFIX extension")
+
+
+def _descends(block, ancestor) -> bool:
+    while block is not None:
+        if block is ancestor:
+            return True
+        block = block.parent
+    return False
 
 
 class _NoTarget(Exception):
