@@ -24,7 +24,7 @@ from kvcanary.cli.main import main
 from kvcanary.consts import FailReason
 from kvcanary.dump import load
 from kvcanary.synth import PAGED_FAULT_KINDS, faults_from_dump
-from kvcanary.synth.faults import default_target
+from kvcanary.synth.fault_kinds import default_target
 
 SMALL = dict(faults_per_kind=8, clean_runs=4, seed=4, backend="numpy", layout="paged")
 

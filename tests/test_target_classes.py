@@ -15,7 +15,7 @@ from kvcanary.campaign import layouts, runner
 from kvcanary.audit import audit
 from kvcanary.consts import FailReason
 from kvcanary.dump import load, save
-from kvcanary.synth.faults import PAIR_SHAPES
+from kvcanary.synth.fault_kinds import PAIR_SHAPES
 from kvcanary.synth import (
     FAULT_KINDS,
     TARGET_CLASSES,

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..consts import REAL_KV_PARTIAL_READ_BYTES
 from ..synth import MODES, TARGET_CLASSES, fault_kinds
-from ..synth.faults import BLOCK_KINDS, PAIR_KINDS, PAIR_SHAPES, PAIRS_NOT_UNION, kind_targets
+from ..synth.fault_kinds import BLOCK_KINDS, PAIR_KINDS, PAIR_SHAPES, PAIRS_NOT_UNION, kind_targets
 
 RULES = ("kvcanary", "compat")
 RULE_WORDS = {"kvcanary": "kvcanary rules (default audit)",

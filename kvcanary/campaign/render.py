@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..synth.faults import PAIRS_NOT_UNION
+from ..synth.fault_kinds import PAIRS_NOT_UNION
 from .layouts import BYTES_PER_TOKEN, RULE_WORDS, RULES, designed
 from .model import MAX_REPORTED, CampaignError, CampaignReport, Cell
 

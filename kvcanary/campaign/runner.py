@@ -17,7 +17,7 @@ import numpy as np
 from ..audit import AuditError, audit, resolve_backend
 from ..interrupt import WorkerPool
 from ..synth import MODES, SynthConfig, SynthError, Synthesis, faults_from_dump, score
-from ..synth.faults import PAIR_SHAPES
+from ..synth.fault_kinds import PAIR_SHAPES
 from ..violations import reason_labels
 from .layouts import LAYOUTS, RULES, audit_command, designed, fault_scope, synth_command
 from .model import CLEAN_RUN_ATTEMPTS, MAX_REPORTED, CampaignError, CampaignReport, Cell

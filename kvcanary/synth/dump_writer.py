@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .faults import PAIR_SHAPES, SWEEP, TARGET_CLASSES, fault_kinds
+from .fault_kinds import PAIR_SHAPES, SWEEP, TARGET_CLASSES, fault_kinds
 from .prefix_cache import SweepIndex
 
 

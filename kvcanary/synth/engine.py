@@ -11,7 +11,8 @@ from ..dump import DUMP_VERSION, VERSION_KEY, Dump, validate
 from .allocator import SlotAllocator
 from .config import Stats, SynthConfig, SynthError
 from .dump_writer import dump_arrays, live_requests, sweep_entries
-from .faults import FaultInjector, default_target
+from .fault_kinds import default_target
+from .faults import FaultInjector
 from .kv_pool import KvPool
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler

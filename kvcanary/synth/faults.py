@@ -1,244 +1,28 @@
-"""Fault injection into a finished run's state, with ground truth, for per-token and paged
-engines alike.
-
-A fault has a kind (what goes wrong) and a target class (where: a request's head, a shared
-prefix-cache block, a window edge, ...). It is a mutation plus its *footprint*: one slot, or
-on a paged engine (block tables) a whole block for the faults that lose a block (table
-entries, reallocation, eviction: :data:`BLOCK_KINDS`). Its ground truth is the list of
-*sites*, the verify entries that read what the fault changed, each with the bits it must fire
-there: every live request that maps a changed record (and the prefix cache's sweep entry of
-it), or the entries whose table entry changed.
+"""Fault injection into a finished run's state (the faults themselves: :mod:`.fault_kinds`),
+one injector for per-token and paged engines over one entry table: every verify entry of the
+final state with its class masks, and its ``unit`` (the table entry it reads through: its
+position, or on a paged engine its block; a block fault's footprint).
 
 Faults of one injector never interact: a target's slots are never another target's slots or
 chain neighbours of them (in any request row or sweep chain), because a changed record breaks
 its successor's chain link. Candidates are filtered without random draws and a failed pick
 gives its draws back, so ``inject(kind, n)`` after ``k`` placed faults of a kind that ran out
 leaves the generator exactly where ``inject(kind, k)`` would have.
-
-A target class is a mask over the verify entries of the final state (``_class_masks``), one
-entry table for both layouts; its ``unit`` column names the table entry an entry reads
-through (a position, or a block of positions).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import api
-from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
 from ..types import WritePlan
 from .config import SynthError
+from .fault_kinds import (BLOCK_KINDS, DEFAULT_TARGET, PAIR_SHAPES, REQUEST, SWEEP, Fault, Site,
+                          check_kind_target, real_kv_byte_note, real_kv_byte_visible,
+                          site_bits)
 from .prefix_cache import SweepIndex
-
-FAULT_KINDS = ("token", "position", "prev-hash", "real-kv-byte", "alias", "swap",
-               "stale-reuse", "slot-zero", "lost-write")
-FAULT_DESCRIPTIONS = {
-    "token": "the stored token of a record changed",
-    "position": "the stored position of a record changed",
-    "prev-hash": "the stored chain link of a record changed",
-    "real-kv-byte": "one byte of a slot's real KV changed",
-    "alias": "a request's table entry points at another request's slot",
-    "swap": "two table entries of one request exchanged",
-    "stale-reuse": "a slot reallocated and rewritten while a live request still maps it",
-    "slot-zero": "a live table entry mapped to padding slot 0",
-    "lost-write": "a token's canary record and KV never written",
-}
-PAGED_FAULT_KINDS = FAULT_KINDS + ("evicted-block",)
-PAGED_FAULT_DESCRIPTIONS = {
-    **FAULT_DESCRIPTIONS,
-    "alias": "a block-table entry points at another request's block",
-    "swap": "two block-table entries of one request exchanged",
-    "stale-reuse": "a block freed while still referenced, reallocated and rewritten",
-    "slot-zero": "a live block-table entry set to the null block 0",
-    "evicted-block": "a cached block evicted while live requests map it, then rewritten",
-}
-TARGET_CLASSES = ("head", "interior", "last", "chunk-boundary", "window-head", "shared",
-                  "cached")
-DEFAULT_TARGET = "interior"
-TARGET_DESCRIPTIONS = {
-    "head": "position 0 of a live request (owned, or the first slot of a shared prefix)",
-    "interior": "a request-owned entry whose predecessor and successor are verified",
-    "last": "a live request's last written token (it has no successor)",
-    "chunk-boundary": "the first token of a later chunk of a chunked prefill",
-    "window-head": "the first entry of a sliding window, its predecessor's SWA slot freed",
-    "shared": "a slot of a prefix-cache block that live requests map",
-    "cached": "a slot of a prefix-cache block no live request maps (a sweep entry only)",
-}
-# Two faults placed next to each other where real bugs interact, ``KIND+KIND`` at a shape:
-# two entries of one shared prefix-cache block, or a shared prefix's last entry and the first
-# entry the request wrote after it (a chain seam). Each fault is scored at its own sites, so
-# a site both reach must fire the union of their bits. slot-zero is not paired: a predecessor
-# in slot 0 makes the next entry's chain check vacuous (verify's unfilled-slot rule), so it
-# would hide a chain fault beside it; real-kv-byte is not paired either (mode-dependent).
-PAIR_SHAPES = ("shared-block", "chain-seam")
-PAIR_KINDS = ("token", "position", "prev-hash", "alias", "stale-reuse", "lost-write")
-# Pairs whose joint effect is not the union of each alone, and why.
-PAIRS_NOT_UNION = {
-    ("lost-write", "lost-write"): "the chain link of an all-zero record is 0, so a zeroed "
-                                  "record right after another zeroed record holds a "
-                                  "consistent link: only the position check sees the second",
-}
-PAIR_DESCRIPTIONS = {
-    "shared-block": "two faults in one prefix-cache block that live requests map",
-    "chain-seam": "a fault on a shared prefix's last entry and one on the request's next entry",
-}
-# Bits a fault fires at an interior target (other targets: :func:`site_bits`).
-EXPECTED_BITS = {
-    "token": FailReason.VERIFY_TOKEN_MISMATCH,
-    "position": FailReason.VERIFY_POSITION_MISMATCH,
-    "prev-hash": FailReason.VERIFY_CHAIN_HASH_MISMATCH,
-    "real-kv-byte": FailReason.VERIFY_REAL_KV_HASH_MISMATCH,
-    "alias": FailReason.VERIFY_POSITION_MISMATCH,
-    "swap": FailReason.VERIFY_POSITION_MISMATCH,
-    "stale-reuse": FailReason.VERIFY_POSITION_MISMATCH,
-    "slot-zero": FailReason.SLOT_ZERO_IN_PREFIX,
-    "lost-write": FailReason.VERIFY_POSITION_MISMATCH | FailReason.VERIFY_CHAIN_HASH_MISMATCH,
-    "evicted-block": FailReason.VERIFY_POSITION_MISMATCH,
-}
-REQUEST, SWEEP = "request", "sweep"
-# Kinds whose paged form loses a whole block, and the classes evicted-block can reach (the
-# entries of prefix-cache blocks live requests map).
-BLOCK_KINDS = ("alias", "swap", "stale-reuse", "slot-zero", "evicted-block")
-KIND_TARGETS = {"evicted-block": ("head", "shared")}
-
-
-def kind_targets(kind: str) -> tuple:
-    """The target classes a fault kind can be placed at."""
-    return KIND_TARGETS.get(kind, TARGET_CLASSES)
-
-
-def default_target(kind: str) -> str:
-    return DEFAULT_TARGET if DEFAULT_TARGET in kind_targets(kind) else kind_targets(kind)[-1]
-
-
-def real_kv_byte_visible(mode: RealKvHashMode, offset: int) -> bool:
-    """Whether a changed byte at ``offset`` of a slot's real KV changes its record's hash."""
-    return mode == RealKvHashMode.ALL or (
-        mode == RealKvHashMode.PARTIAL and offset < REAL_KV_PARTIAL_READ_BYTES)
-
-
-def real_kv_byte_note(mode: RealKvHashMode, offset: int) -> str:
-    """:func:`real_kv_byte_visible`, in words."""
-    if mode == RealKvHashMode.NONE:
-        return "not visible in none mode (real KV bytes are not hashed)"
-    if not real_kv_byte_visible(mode, offset):
-        return (f"not visible in partial mode (byte {offset} is outside the "
-                f"{REAL_KV_PARTIAL_READ_BYTES} bytes partial mode hashes)")
-    return f"byte {offset} of the slot's real KV"
-
-
-def site_bits(kind: str, entry: str, position: int, prev: int, real_kv_visible: bool) -> int:
-    """The bits a fault of ``kind`` must fire at one verify entry it changed: a request entry
-    or a sweep entry at ``position`` whose predecessor slot is ``prev`` (-1: chain head, 0:
-    unreachable, its chain check vacuous)."""
-    if kind == "token":
-        # Sweep entries carry no expected token: the prefix cache keeps no token pool.
-        return int(FailReason.VERIFY_TOKEN_MISMATCH) if entry == REQUEST else 0
-    if kind == "prev-hash":
-        return int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) if prev != 0 else 0
-    if kind == "real-kv-byte":
-        return int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH) if real_kv_visible else 0
-    if kind == "slot-zero":
-        # Verify skips slot 0 as unfilled; the extension flags it in live requests only.
-        return int(FailReason.SLOT_ZERO_IN_PREFIX) if entry == REQUEST else 0
-    if kind == "lost-write":
-        # A zero record holds position 0 and chain link 0.
-        return ((int(FailReason.VERIFY_POSITION_MISMATCH) if position != 0 else 0)
-                | (int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) if prev != 0 else 0))
-    return int(EXPECTED_BITS[kind])
-
-
-@dataclass(frozen=True)
-class Site:
-    """A verify entry a fault changed: ``entry`` is ``request`` (``request_row``, ``position``)
-    or ``sweep`` (``position``, ``slot``); ``slot`` is what the entry reads after the fault."""
-    entry: str
-    request_row: int
-    position: int
-    slot: int
-    bits: int
-
-
-def fault_kinds(paged: bool) -> tuple:
-    """The fault kinds of a layout."""
-    return PAGED_FAULT_KINDS if paged else FAULT_KINDS
-
-
-@dataclass
-class Fault:
-    kind: str
-    batch_index: int
-    request_row: int
-    position: int
-    slot: int
-    expected_bits: int
-    visible: bool
-    detail: int = -1
-    note: str = ""
-    target: str = DEFAULT_TARGET
-    sites: tuple = field(default_factory=tuple)
-
-
-def inapplicable_kinds(config) -> dict:
-    """Fault kinds that cannot be injected into a workload of ``config``, with the reason."""
-    if config.sources == 0:
-        return {"real-kv-byte": "no real-KV sources (--sources 0)"}
-    return {}
-
-
-def parse_inject(specs, config=None) -> list:
-    """``["token", "alias:3@head"]`` -> ``[("token", 1, "interior"), ("alias", 3, "head")]``;
-    kind ``all`` means every kind that applies to ``config`` (see :func:`inapplicable_kinds`),
-    class ``all`` every target class the kind reaches; ``token+position:2@chain-seam`` places
-    two interacting pairs (per-token runs). A paged ``config`` takes the paged kinds
-    (:func:`fault_kinds`)."""
-    skipped = inapplicable_kinds(config) if config is not None else {}
-    paged = config is not None and config.paged
-    result = []
-    for spec in specs:
-        body, _, target = spec.partition("@")
-        kind, _, count = body.partition(":")
-        kind, target = kind.strip(), target.strip()
-        try:
-            number = int(count) if count else 1
-        except ValueError:
-            raise SynthError(f"--inject {spec}: COUNT must be an integer") from None
-        if number < 1:
-            raise SynthError(f"--inject {spec}: COUNT must be at least 1")
-        kinds = ([k for k in fault_kinds(paged) if k not in skipped] if kind == "all"
-                 else (kind,))
-        for name in kinds:
-            targets = (kind_targets(name) if target == "all" and name in fault_kinds(True)
-                       else (target or default_target(name),))
-            for where in targets:
-                _check(name, where, paged)
-                result.append((name, number, where))
-    return result
-
-
-def _check(kind: str, target: str, paged: bool = False) -> None:
-    if target in PAIR_SHAPES:
-        first, plus, second = kind.partition("+")
-        if paged:
-            raise SynthError(f"--inject {kind}@{target}: pair shapes are per-token only "
-                             "(a paged fault's block would cover its partner)")
-        if not plus or first not in PAIR_KINDS or second not in PAIR_KINDS:
-            raise SynthError(f"--inject {kind}@{target}: a pair shape takes KIND+KIND, each "
-                             f"one of {', '.join(PAIR_KINDS)}")
-        return
-    kinds = fault_kinds(paged)
-    if kind not in kinds:
-        needs = " (needs --block-size)" if kind in PAGED_FAULT_KINDS else ""
-        raise SynthError(f"--inject: unknown fault kind {kind!r}{needs} (one of "
-                         f"{', '.join(kinds)}, or all)")
-    if target not in TARGET_CLASSES:
-        raise SynthError(f"--inject: unknown target class {target!r} (one of "
-                         f"{', '.join(TARGET_CLASSES + PAIR_SHAPES)}, or all)")
-    if target not in kind_targets(kind):
-        raise SynthError(f"--inject {kind}@{target}: {kind} reaches only "
-                         f"{', '.join(kind_targets(kind))} entries")
 
 
 @dataclass
@@ -281,7 +65,7 @@ class FaultInjector:
         """Inject up to ``count`` faults, stopping (with the generator untouched by the failed
         attempt) when no target entry is left."""
         s = self.s
-        _check(kind, target, self.paged)
+        check_kind_target(kind, target, self.paged)
         if count < 1:
             raise SynthError(f"--inject {kind}: COUNT must be at least 1, got {count}")
         if kind == "real-kv-byte" and not s.sources:
@@ -515,30 +299,28 @@ class FaultInjector:
                      visible=expected != 0, detail=detail, note=note, target=target,
                      sites=sites)
 
-    def _fields(self):
-        """The canary records' int64 fields: token, position, chain link, real-KV hash."""
-        return self.s.canary.view("<i8")[:, :4]
-
     def _set_table(self, i: int, full_slot: int) -> None:
         """Point entry ``i``'s table entry (a request row's, or a cached block's) at
         ``full_slot``: on a paged engine the block holding it."""
-        e = self.entries()
+        e, bs = self.entries(), self.bs
         if e.entry[i] == 0:
-            table = self.s.scheduler.table
-            table.array[e.row[i], e.position[i] // self.bs] = full_slot // self.bs
+            self.s.scheduler.table.array[e.row[i], e.position[i] // bs] = full_slot // bs
         else:
-            block, k = self._sweep.owner(i - int(np.count_nonzero(e.entry == 0)))
-            k0 = k // self.bs * self.bs
-            block.slots[k0:k0 + self.bs] = (full_slot // self.bs * self.bs
-                                            + np.arange(self.bs)) if full_slot else 0
+            block, k = self._owner(i)
+            block.slots[k // bs * bs:(k // bs + 1) * bs] = (
+                full_slot // bs * bs + np.arange(bs)) if full_slot else 0
 
     def _table_slot(self, i: int) -> int:
         e = self.entries()
         if e.entry[i] == 0:
             return int(self.s.scheduler.table.slots(e.row[i], e.position[i],
                                                     e.position[i] + 1)[0])
-        block, k = self._sweep.owner(i - int(np.count_nonzero(e.entry == 0)))
+        block, k = self._owner(i)
         return int(block.slots[k])
+
+    def _owner(self, i: int) -> tuple:
+        """``(cached block, index in it)`` of sweep entry ``i``."""
+        return self._sweep.owner(i - int(np.count_nonzero(self.entries().entry == 0)))
 
     # ------------------------------------------------------------------ record faults
 
@@ -551,22 +333,21 @@ class FaultInjector:
                            detail=detail, note=note)
 
     def _apply_token(self, target, i):
-        return self._record_fault("token", target, i,
-                                  lambda slot: self._fields().__setitem__(
-                                      (slot, 0), self._fields()[slot, 0] + 1))
+        return self._record_fault("token", target, i, lambda slot: self._bump(slot, 0, 1))
 
     def _apply_position(self, target, i):
-        return self._record_fault("position", target, i,
-                                  lambda slot: self._fields().__setitem__(
-                                      (slot, 1), self._fields()[slot, 1] + 1))
+        return self._record_fault("position", target, i, lambda slot: self._bump(slot, 1, 1))
 
     def _apply_prev_hash(self, target, i):
         bit = int(self.s.rng.integers(64))
-        slot = int(self.entries().slot[i])
-        self._fields()[slot, 2] ^= np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
-        self._take(slot)
-        return self._fault("prev-hash", target, i, self._record_sites("prev-hash", slot),
-                           detail=bit)
+        flip = np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
+        return self._record_fault("prev-hash", target, i,
+                                  lambda slot: self._bump(slot, 2, flip, xor=True), detail=bit)
+
+    def _bump(self, slot: int, field: int, by, xor: bool = False) -> None:
+        """Change a record's int64 field (token, position, chain link, real-KV hash)."""
+        fields = self.s.canary.view("<i8")[:, :4]
+        fields[slot, field] = fields[slot, field] ^ by if xor else fields[slot, field] + by
 
     def _apply_real_kv_byte(self, target, i):
         s = self.s
@@ -591,13 +372,13 @@ class FaultInjector:
         slot = int(self.entries().slot[i])
         note = ("slot never written (first occupant)" if s.pool.write_count[slot] == 1 else
                 "slot had an earlier occupant; left zeroed")
+        return self._record_fault("lost-write", target, i, self._zero, note=note)
+
+    def _zero(self, slot: int) -> None:
+        s, ps = self.s, self.s.config.page_size
         s.canary[slot] = 0
-        ps = s.config.page_size
         for tensor in s.sources:
             s.pool.slot_bytes(tensor)[slot // ps, slot % ps] = 0
-        self._take(slot)
-        return self._fault("lost-write", target, i, self._record_sites("lost-write", slot),
-                           note=note)
 
     def _apply_stale_reuse(self, target, i):
         """The slot (paged: every written slot of the block) reallocated and rewritten as

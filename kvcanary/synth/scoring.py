@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..consts import FailReason, RealKvHashMode
-from .faults import (DEFAULT_TARGET, FAULT_KINDS, REQUEST, SWEEP, Fault, Site,
+from .fault_kinds import (DEFAULT_TARGET, FAULT_KINDS, REQUEST, SWEEP, Fault, Site,
                      real_kv_byte_note)
 
 _SLOT_ZERO = int(FailReason.SLOT_ZERO_IN_PREFIX)
