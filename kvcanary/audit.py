@@ -44,8 +44,7 @@ from .consts import (
     LaunchTag,
 )
 from .dump import Dump, load
-from .reference.plan import window_start
-from .reference.ring import violation_rows
+from .rules import violation_rows, window_start
 from .types import (CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan,
                     check_source_bound, check_source_count, to_host)
 from .violations import Violation, reason_labels, tag_name

@@ -24,12 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..consts import EXPECTED_TOKEN_UNKNOWN, PLAN_SLOT_OUT_OF_TABLE, REQ_POOL_IDX_PADDING
-
-
-def window_start(prefix_lens: np.ndarray, swa_window_size: int) -> np.ndarray:
-    if swa_window_size > 0:
-        return np.maximum(0, prefix_lens - swa_window_size)
-    return np.zeros_like(prefix_lens)
+from ..rules import window_start
 
 
 def table_slots(table: np.ndarray, rows: np.ndarray, positions: np.ndarray,
