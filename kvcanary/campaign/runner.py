@@ -182,13 +182,10 @@ def resolve_backends(name: str):
         except AuditError as exc:
             raise CampaignError(f"--backend cupy: {exc}") from None
         return ["cupy"], {"numpy": "not requested (--backend cupy)"}
-    from ..cuda import CudaUnavailable, require_cupy
+    from ..cuda import unavailable_reason
 
-    try:
-        require_cupy()
-    except CudaUnavailable as exc:
-        return ["numpy"], {"cupy": str(exc).removeprefix("kv-canary: ")}
-    return ["numpy", "cupy"], {}
+    why = unavailable_reason()
+    return (["numpy"], {"cupy": why}) if why else (["numpy", "cupy"], {})
 
 
 def machine_description() -> str:

@@ -58,11 +58,21 @@ def compile_defines(kernel: str, max_real_kv_sources: int | None,
 
 def compile_options(kernel: str, max_real_kv_sources: int | None,
                     check_expected_token: bool = False) -> tuple[str, ...]:
-    """NVRTC command-line options of one module variant (what ``cupy.RawModule`` gets)."""
-    options = [f"-std={CXX_STANDARD}", f"-I{kernel_dir()}"]
+    """NVRTC command-line options of one module variant (what ``cupy.RawModule`` gets). No
+    include path: :func:`kernel_source` inlines every local header, so the options and the
+    code, cupy's cache key, do not depend on where kvcanary is installed."""
+    options = [f"-std={CXX_STANDARD}"]
     options += [f"-D{name}={value}" for name, value in
                 compile_defines(kernel, max_real_kv_sources, check_expected_token)]
     return tuple(options)
+
+
+def variant_name(kernel: str, max_real_kv_sources: int | None,
+                 check_expected_token: bool = False) -> str:
+    """The readable name of one compiled module: ``verify_n4_tok1`` (kernel, source-count
+    bound, expected-token check), ``write_n4``, ``plan``."""
+    name = kernel if kernel == "plan" else f"{kernel}_n{max_real_kv_sources}"
+    return name + (f"_tok{int(check_expected_token)}" if kernel == "verify" else "")
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -366,16 +376,27 @@ class Launcher:
 # GPU side (imported only once cupy saw a device)
 
 
+COMPILED: list = []     # variant names compiled in this process, in order
+
+
 @functools.lru_cache(maxsize=None)
 def module(kernel: str, max_real_kv_sources: int | None, check_expected_token: bool):
-    """One compiled ``cupy.RawModule`` per (kernel, bound, variant)."""
+    """One compiled ``cupy.RawModule`` per (kernel, bound, variant); a compile error names the
+    variant (:func:`variant_name`)."""
     import cupy
 
-    bound = max_real_kv_sources
-    if kernel != "plan":
-        bound = check_bound(max_real_kv_sources)
-    options = compile_options(kernel, bound if kernel != "plan" else None, check_expected_token)
-    return cupy.RawModule(code=kernel_source(kernel), options=options)
+    bound = None if kernel == "plan" else check_bound(max_real_kv_sources)
+    name = variant_name(kernel, bound, check_expected_token)
+    options = compile_options(kernel, bound, check_expected_token)
+    try:
+        compiled = cupy.RawModule(code=kernel_source(kernel), options=options)
+        for entry in KERNEL_FILES[kernel][1]:    # RawModule compiles lazily: compile now
+            compiled.get_function(entry)
+    except Exception as exc:  # cupy's CompileException, or a driver error
+        raise RuntimeError(f"kv-canary: kernel variant {name} did not compile "
+                           f"({' '.join(options)}): {exc}") from exc
+    COMPILED.append(name)
+    return compiled
 
 
 @functools.lru_cache(maxsize=None)
