@@ -2,7 +2,7 @@
 
 Every value here is a fact of the upstream (SGLang) canary format, except the
 ``FailReason`` bits marked as kvcanary extensions. ``kernels/kvc_consts.cuh`` holds the
-same values for the CUDA side; ``tests/test_const_sync.py`` keeps the two files equal.
+same values for the CUDA side; ``tests/reference/test_const_sync.py`` keeps the two files equal.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_audit_flood.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_audit_flood.py"
 
 
 def test_bench_audit_flood_quick():

@@ -4,7 +4,7 @@ import pathlib
 import subprocess
 import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_reference.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_reference.py"
 
 
 def test_bench_reference_quick():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]     # tests/, where cupy_stub.py lives
 ROOT = HERE.parent
 NOT_SET = ("KVCANARY_CUPY_PATHS is not set (.ci/run sets it to the oldest CuPy of each extra, "
            "installed by scripts/install-oldest-cupy.sh)")

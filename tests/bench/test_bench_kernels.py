@@ -8,7 +8,7 @@ import pytest
 
 from kernel_harness.fixtures import require_compiler
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _load(name):

@@ -8,7 +8,7 @@ import pytest
 
 from kvcanary import consts
 
-CUH = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "kvc_consts.cuh"
+CUH = pathlib.Path(__file__).resolve().parents[2] / "kernels" / "kvc_consts.cuh"
 
 _CONSTEXPR = re.compile(r"constexpr\s+[\w:]+\s+k(\w+)\s*=\s*([^;]+);")
 _ENUM = re.compile(r"enum\s+class\s+(\w+)\s*:\s*[\w:]+\s*\{([^}]*)\}", re.S)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 # Top-level names in site-packages of the GPU machine's packages and their dependencies.
 GPU_MACHINE_PACKAGES = ("numpy", "click", "pytest", "_pytest", "py", "pluggy", "iniconfig",
                         "packaging", "pygments", "hypothesis", "_hypothesis", "sortedcontainers",

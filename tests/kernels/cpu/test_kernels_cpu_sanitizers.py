@@ -13,9 +13,10 @@ import pytest
 from kernel_harness import compiler
 from kernel_harness.fixtures import NO_COMPILER
 
-TESTS = Path(__file__).resolve().parent
-SUBSET = ["test_kernels_cpu_out_of_range.py", "test_kernels_cpu_properties.py",
-          "test_kernels_cpu_plan.py", "test_paged_plan.py"]
+TESTS = Path(__file__).resolve().parents[2]
+SUBSET = ["kernels/cpu/test_kernels_cpu_out_of_range.py",
+          "kernels/cpu/test_kernels_cpu_properties.py", "kernels/cpu/test_kernels_cpu_plan.py",
+          "reference/test_paged_plan.py"]
 
 
 def asan_runtime(cxx: str) -> str | None:

@@ -140,7 +140,7 @@ def test_synth_progress_reaches_the_total_exactly_when_the_run_ends():
 def test_commands_use_only_public_library_names_and_named_exit_codes():
     from pathlib import Path
 
-    cli = Path(__file__).resolve().parent.parent / "kvcanary" / "cli"
+    cli = Path(__file__).resolve().parents[2] / "kvcanary" / "cli"
     for source in sorted(cli.glob("*.py")):
         text = source.read_text(encoding="utf-8")
         assert not re.search(r"sys\.exit\(\d", text), source.name
