@@ -258,21 +258,9 @@ def _same_library(context: CanaryContext, plan, **arrays) -> str:
     library = A.library_of(context.canary_buf)
     if plan.library() == library == context.library():
         return A.same_library("canary_buf", context.canary_buf, **arrays)
-    return A.same_library("canary_buf", context.canary_buf, **arrays, **plan.arrays(),
-                          **_context_arrays(context))
-
-
-def _context_arrays(context: CanaryContext) -> dict:
-    arrays = {
-        "violation_ring": context.violation_log.ring,
-        "violation_write_index": context.violation_log.write_index,
-        "slot_run_counter": context.slot_run_counter,
-        "kernel_run_counter": context.kernel_run_counter,
-        "enable_chain_position_assert": context.enable_chain_position_assert,
-    }
-    for index, source in enumerate(context.real_kv_sources):
-        arrays[f"real_kv_sources[{index}].tensor"] = source.tensor
-    return arrays
+    others = A.context_arrays(context)
+    buf = others.pop("canary_buf")
+    return A.same_library("canary_buf", buf, **arrays, **plan.arrays(), **others)
 
 
 def _run(chosen: str, library: str, launch: str, kwargs: dict) -> None:

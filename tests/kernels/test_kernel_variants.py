@@ -57,3 +57,24 @@ def test_a_compile_error_names_the_variant(monkeypatch):
     with pytest.raises(RuntimeError, match=r"kernel variant verify_n4_tok1 did not compile"):
         L.module("verify", 4, True)
     L.module.cache_clear()
+
+
+def test_packing_the_sources_does_not_check_their_count_again(monkeypatch):
+    """The launch's validate checks the source count; packing the descriptors for each of a
+    write's kernels does not repeat it."""
+    import numpy as np
+
+    import kvcanary as kc
+    from kvcanary import types as T
+
+    calls = []
+    monkeypatch.setattr(T, "check_source_count", lambda *a, **k: calls.append(a))
+    ctx = kc.CanaryContext(np.zeros((8, kc.CANARY_SLOT_BYTES), np.uint8),
+                           kernel_kind=kc.LaunchTag.TAIL_K_FULL,
+                           violation_log=kc.ViolationLog.allocate(4),
+                           slot_run_counter=np.zeros(1, np.int64),
+                           kernel_run_counter=np.zeros(1, np.int64))
+    L.pack_sources(ctx)
+    assert calls == []
+    ctx.validate_sources()
+    assert len(calls) == 1
