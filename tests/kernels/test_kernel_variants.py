@@ -68,7 +68,9 @@ def test_packing_the_sources_does_not_check_their_count_again(monkeypatch):
     from kvcanary import types as T
 
     calls = []
-    monkeypatch.setattr(T, "check_source_count", lambda *a, **k: calls.append(a))
+    counter = lambda *a, **k: calls.append(a)  # noqa: E731
+    monkeypatch.setattr(T, "check_source_count", counter)
+    monkeypatch.setattr(L, "check_source_count", counter, raising=False)  # an imported copy
     ctx = kc.CanaryContext(np.zeros((8, kc.CANARY_SLOT_BYTES), np.uint8),
                            kernel_kind=kc.LaunchTag.TAIL_K_FULL,
                            violation_log=kc.ViolationLog.allocate(4),
