@@ -3,6 +3,8 @@
 * the shared helper modules (``builders``, ``oracle``, ``workload``, ``fuzz_support``,
   ``cupy_stub``, ``kernel_harness``, ``interrupt_harness``) and every test folder are
   importable by their plain names from anywhere, whatever pytest's import mode;
+* subprocesses the tests start (the CLI, the benchmark scripts) import this checkout's
+  kvcanary, installed or not (its root goes first on ``PYTHONPATH``);
 * one place decides the GPU skip: a test marked ``gpu`` runs only where kvcanary's CUDA
   backend sees a device, and is skipped with kvcanary's reason otherwise;
 * the run ends with one line per reason of what did not run.
@@ -20,6 +22,10 @@ for _folder, _dirs, _files in sorted(os.walk(_HERE)):
     if any(f.startswith("test_") for f in _files) or _folder == _HERE:
         if _folder not in sys.path:
             sys.path.insert(0 if _folder == _HERE else len(sys.path), _folder)
+
+_ROOT = os.path.dirname(_HERE)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _ROOT])
 
 
 def pytest_collection_modifyitems(config, items):
