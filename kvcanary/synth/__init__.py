@@ -26,9 +26,10 @@ launch on the CUDA kernels (the library moves the arrays per launch, so keep suc
 
 from .config import MAX_SEED, MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
 from .engine import Synthesis, synthesize
-from .fault_kinds import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, PAGED_FAULT_DESCRIPTIONS,
-                     PAGED_FAULT_KINDS, TARGET_CLASSES, TARGET_DESCRIPTIONS, Fault, Site,
-                     fault_kinds, inapplicable_kinds, parse_inject, site_bits)
+from .fault_kinds import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS,
+                          PAGED_FAULT_DESCRIPTIONS, PAGED_FAULT_KINDS, TARGET_CLASSES,
+                          TARGET_DESCRIPTIONS, Fault, Site, fault_kinds, inapplicable_kinds,
+                          parse_inject, site_bits)
 from .scoring import FaultOutcome, fault_note, faults_from_dump, score
 
 __all__ = [

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..consts import FailReason, RealKvHashMode
 from .fault_kinds import (DEFAULT_TARGET, FAULT_KINDS, REQUEST, SWEEP, Fault, Site,
-                     real_kv_byte_note)
+                          real_kv_byte_note)
 
 _SLOT_ZERO = int(FailReason.SLOT_ZERO_IN_PREFIX)
 
