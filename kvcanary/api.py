@@ -14,7 +14,7 @@ import numpy as np
 
 from . import arrays as A
 from .consts import REQ_POOL_IDX_PADDING
-from .reference.plan import window_start
+from .rules import window_start
 from .types import CanaryContext, VerifyPlan, WritePlan, to_host
 
 _INT64 = (np.int64,)
@@ -81,20 +81,47 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
          req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset: int = 0,
          block_table=None, block_size=None, backend: str | None = None,
          strict: bool = False, check_capacity: bool = True) -> PlanReport | None:
-    """Fill ``verify_plan`` and ``write_plan`` in place for one forward step (docs/format.md §7).
+    """Fill ``verify_plan`` and ``write_plan`` in place for one forward step.
 
-    Returns a :class:`PlanReport` (entries needed against the plan's capacity). A verify plan
-    too small for the batch is never silent: :class:`VerifyPlanTooSmall` is warned once per
-    plan object, or with ``strict=True`` a ``ValueError`` is raised after the plan is filled
-    (it is disabled). The check copies ``prefix_lens`` and ``req_pool_indices`` to the host;
-    ``check_capacity=False`` skips it (inside a CUDA graph capture) and returns None.
+    Inputs, one entry per batch row (``bs`` rows), all int64 ``[bs]``: ``req_pool_indices``
+    (the request's table row; row 0 is padding and contributes nothing), ``prefix_lens`` (the
+    tokens already cached, which verify checks) and ``extend_seq_lens`` (the tokens this step
+    writes). Slots come from exactly one table: ``req_to_token`` (int32/int64 ``[rows,
+    max_len]``, the slot of each request row and position), or ``block_table`` (int32/int64
+    ``[rows, max_blocks]``) with ``block_size >= 1``, where position ``p`` of a row is slot
+    ``block_table[row, p // block_size] * block_size + p % block_size``; block 0 is the null
+    block, its positions map to padding slot 0. With ``swa_window_size > 0`` only the last
+    ``swa_window_size`` prefix positions are verified and every slot goes through
+    ``full_to_swa_index_mapping`` (int64 ``[full slots]``). ``req_to_verify_expected_tokens``
+    (int32/int64 ``[rows, max_len]``) with ``req_to_verify_expected_tokens_valid_lens`` (int64
+    ``[bs]``) gives each verified entry its expected token, read at ``position +
+    kv_token_id_vs_position_offset``.
 
-    Slots come from exactly one table: ``req_to_token`` (int32/int64 ``[rows, max_len]``, the
-    slot of each request row and position), or ``block_table`` (int32/int64 ``[rows,
-    max_blocks]``) with ``block_size >= 1``, where position ``p`` of a row is slot
-    ``block_table[row, p // block_size] * block_size + p % block_size``. Block 0 is the null
-    block: its positions map to padding slot 0. The plan is the one of the equivalent
-    per-token table, without building it."""
+    Written in place: every array of ``verify_plan`` (slots, expected tokens and positions,
+    predecessor slots, ``verify_num_valid``, ``verify_enable``) and of ``write_plan``
+    (``write_offsets``, ``write_seed_slot_indices``, ``write_num_valid_reqs``); nothing else.
+    More entries than ``verify_plan.verify_capacity`` disable the verify (``enable = 0``)
+    instead of overflowing, and that is never silent: :class:`VerifyPlanTooSmall` is warned
+    once per plan object, or with ``strict=True`` a ``ValueError`` is raised after the plan is
+    filled. Returns a :class:`PlanReport` (entries needed against the capacity); the check
+    copies ``prefix_lens`` and ``req_pool_indices`` to the host, so ``check_capacity=False``
+    skips it (inside a CUDA graph capture) and returns None. ``bs`` above ``write_plan.write_req_capacity`` is an error. A
+    call that raises leaves both plans as they were.
+
+    Arrays of one library run there (numpy: the reference; cupy: the CUDA kernels on the
+    current stream, no allocation, no host synchronisation, so a step can be captured in a
+    CUDA graph after one eager run); ``backend="numpy"``/``"cupy"`` forces one, copying the
+    arrays over and the outputs back. Bad arguments raise ``ValueError`` naming the argument.
+
+    >>> import numpy as np, kvcanary as kc
+    >>> vp, wp = kc.VerifyPlan.allocate(64), kc.WritePlan.allocate(4)
+    >>> table = np.arange(1, 33, dtype=np.int32).reshape(2, 16)
+    >>> report = kc.plan(req_pool_indices=np.array([1], np.int64),
+    ...     prefix_lens=np.array([3], np.int64), extend_seq_lens=np.array([2], np.int64),
+    ...     req_to_token=table, verify_plan=vp, write_plan=wp)
+    >>> report.enabled, int(vp.verify_num_valid[0]), vp.verify_slot_indices[:3].tolist()
+    (True, 3, [17, 18, 19])
+    """
     table_name, table, block_size = _slot_table(req_to_token, block_table, block_size)
     swa_window_size = A.check_int64(swa_window_size, "swa_window_size")
     kv_token_id_vs_position_offset = A.check_int64(kv_token_id_vs_position_offset,
@@ -189,7 +216,39 @@ def _slot_table(req_to_token, block_table, block_size) -> tuple:
 def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_cache_loc,
           expected_input_tokens=None, expected_input_positions=None,
           backend: str | None = None) -> None:
-    """Stamp the canary records of this step's new tokens (docs/format.md §8)."""
+    """Stamp the canary records of this step's new tokens into ``context.canary_buf``.
+
+    ``input_ids``, ``positions`` and ``out_cache_loc`` are int64 ``[num_tokens]``: the step's
+    tokens, their positions and the slot each is written to, request after request as
+    ``plan.write_offsets`` (from :func:`plan`) splits them. Each record holds the token, its
+    position, the chain link to the request's previous record (from the seed slot, or the
+    chain anchor at position 0) and, per ``context.real_kv_sources``, a hash of the slot's real
+    KV bytes (``context.real_kv_hash_mode``: none, partial, all). With
+    ``expected_input_tokens`` and ``expected_input_positions`` (int64 ``[num_tokens]``, both
+    or neither) each token is also checked against them.
+
+    Written in place: the records at ``out_cache_loc`` in ``context.canary_buf`` (uint8
+    ``[slots, CANARY_SLOT_BYTES]``), the context's counters, and a row in
+    ``context.violation_log`` for every broken rule (a slot out of range, a seed out of
+    range, a chain position assert, a conflicting write); those are reported, not raised.
+    Streams, graphs and backends as in :func:`plan`.
+
+    >>> import numpy as np, kvcanary as kc
+    >>> ctx = kc.CanaryContext(np.zeros((16, kc.CANARY_SLOT_BYTES), np.uint8),
+    ...     kernel_kind=kc.LaunchTag.TAIL_K_FULL, violation_log=kc.ViolationLog.allocate(8),
+    ...     slot_run_counter=np.zeros(1, np.int64), kernel_run_counter=np.zeros(1, np.int64))
+    >>> vp, wp = kc.VerifyPlan.allocate(8), kc.WritePlan.allocate(1)
+    >>> table = np.zeros((2, 8), np.int32)
+    >>> table[1] = np.arange(1, 9)        # request row 1: positions 0..7 in slots 1..8
+    >>> kc.plan(req_pool_indices=np.array([1], np.int64), prefix_lens=np.array([0], np.int64),
+    ...         extend_seq_lens=np.array([3], np.int64), req_to_token=table,
+    ...         verify_plan=vp, write_plan=wp)
+    PlanReport(entries_needed=0, verify_capacity=8, write_requests=1)
+    >>> kc.write(ctx, wp, input_ids=np.array([7, 8, 9], np.int64),
+    ...          positions=np.arange(3, dtype=np.int64), out_cache_loc=np.array([1, 2, 3]))
+    >>> ctx.violation_log.total      # then verify the next step's prefix: slots 1, 2, 3
+    0
+    """
     context.validate_sources()
     tokens = {
         "input_ids": A.as_array(input_ids, "input_ids"),
@@ -243,7 +302,28 @@ def _check_tokens_cover_the_plan(plan: WritePlan, length: int) -> None:
 
 def verify(context: CanaryContext, plan: VerifyPlan, *, check_expected_token: bool = False,
            backend: str | None = None) -> None:
-    """Check every planned prefix slot; violations go to the context's ring (docs/format.md §9)."""
+    """Check every prefix slot ``plan`` lists against its canary record.
+
+    For each of the first ``plan.verify_num_valid`` entries (when ``plan.verify_enable``):
+    the record's position must be the expected position, its chain link must match its
+    predecessor's record (skipped at a chain head and where the predecessor is unreachable),
+    its real-KV hash must match the slot's bytes, and with ``check_expected_token`` its token
+    must be the expected one. Slot 0 is padding and is skipped. Every mismatch becomes one
+    row of ``context.violation_log`` (int64 ``[8]``: kernel kind, slot, position, stored and
+    expected token, stored chain hash, expected aux, fail-reason bits, see
+    :class:`~kvcanary.FailReason`); the ring never wraps and its index counts dropped rows.
+
+    Written in place: ``context.violation_log`` and the context's run counters; the canary
+    records are only read. Streams, graphs and backends as in :func:`plan`.
+
+    >>> import numpy as np, kvcanary as kc
+    >>> ctx = kc.CanaryContext(np.zeros((16, kc.CANARY_SLOT_BYTES), np.uint8),
+    ...     kernel_kind=kc.LaunchTag.TAIL_K_FULL, violation_log=kc.ViolationLog.allocate(8),
+    ...     slot_run_counter=np.zeros(1, np.int64), kernel_run_counter=np.zeros(1, np.int64))
+    >>> kc.verify(ctx, kc.VerifyPlan.allocate(8))     # an empty plan checks nothing
+    >>> ctx.violation_log.total
+    0
+    """
     context.validate_sources()
     A.check_contiguous(context.canary_buf, "canary_buf")
     plan.validate()
@@ -260,21 +340,9 @@ def _same_library(context: CanaryContext, plan, **arrays) -> str:
     library = A.library_of(context.canary_buf)
     if plan.library() == library == context.library():
         return A.same_library("canary_buf", context.canary_buf, **arrays)
-    return A.same_library("canary_buf", context.canary_buf, **arrays, **plan.arrays(),
-                          **_context_arrays(context))
-
-
-def _context_arrays(context: CanaryContext) -> dict:
-    arrays = {
-        "violation_ring": context.violation_log.ring,
-        "violation_write_index": context.violation_log.write_index,
-        "slot_run_counter": context.slot_run_counter,
-        "kernel_run_counter": context.kernel_run_counter,
-        "enable_chain_position_assert": context.enable_chain_position_assert,
-    }
-    for index, source in enumerate(context.real_kv_sources):
-        arrays[f"real_kv_sources[{index}].tensor"] = source.tensor
-    return arrays
+    others = A.context_arrays(context)
+    buf = others.pop("canary_buf")
+    return A.same_library("canary_buf", buf, **arrays, **plan.arrays(), **others)
 
 
 def _run(chosen: str, library: str, launch: str, kwargs: dict) -> None:

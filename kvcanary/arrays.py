@@ -238,3 +238,20 @@ def common_library(*arrays) -> str | None:
     """The one library of ``arrays`` (None entries aside), or None when they mix."""
     libraries = {library_of(array) for array in arrays if array is not None}
     return libraries.pop() if len(libraries) == 1 else None
+
+
+def context_arrays(context) -> dict:
+    """Every array of a :class:`~kvcanary.CanaryContext` by the name errors use, the canary
+    buffer first: the one list the checks, the device placement and the transfers share."""
+    log = context.violation_log
+    arrays = {
+        "canary_buf": context.canary_buf,
+        "violation_ring": log.ring,
+        "violation_write_index": log.write_index,
+        "slot_run_counter": context.slot_run_counter,
+        "kernel_run_counter": context.kernel_run_counter,
+        "enable_chain_position_assert": context.enable_chain_position_assert,
+    }
+    for index, source in enumerate(context.real_kv_sources):
+        arrays[f"real_kv_sources[{index}].tensor"] = source.tensor
+    return arrays

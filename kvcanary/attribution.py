@@ -33,7 +33,7 @@ import numpy as np
 from .consts import EXPECTED_TOKEN_UNKNOWN, FailReason
 from .diagnosis import CHAIN_HEAD_INT64, Diagnosis, Entry, Evidence, diagnose, failed_checks, \
     record_links
-from .reference.plan import window_start
+from .rules import window_start
 from .reference.ring import canary_fields
 from .reference.verify import active_entries
 from .types import to_host

@@ -49,8 +49,7 @@ from .consts import (
 from .diagnosis import (CHECK_WORDS, Diagnosis, Entry, Evidence, diagnose,  # noqa: F401
                         failed_checks, likely_cause, record_links)
 from .dump import Dump, load
-from .reference.plan import window_start
-from .reference.ring import canary_fields, violation_rows
+from .rules import canary_fields, violation_rows, window_start
 from .types import (CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan,
                     check_source_bound, check_source_count, to_host)
 from .violations import Violation, reason_labels, tag_name

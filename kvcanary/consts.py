@@ -2,7 +2,7 @@
 
 Every value here is a fact of the upstream (SGLang) canary format, except the
 ``FailReason`` bits marked as kvcanary extensions. ``kernels/kvc_consts.cuh`` holds the
-same values for the CUDA side; ``tests/test_const_sync.py`` keeps the two files equal.
+same values for the CUDA side; ``tests/reference/test_const_sync.py`` keeps the two files equal.
 """
 
 from __future__ import annotations
@@ -73,12 +73,16 @@ class FailReason(enum.IntFlag):
 
 
 class RealKvHashMode(enum.IntEnum):
+    """How much of a slot's real KV a record's hash covers: ``NONE`` (not hashed, the field
+    is 0), ``PARTIAL`` (the first REAL_KV_PARTIAL_READ_BYTES bytes per source), ``ALL``."""
     NONE = 0
     PARTIAL = 1
     ALL = 2
 
 
 class LaunchTag(enum.IntEnum):
+    """Which launch a violation row came from (a context's ``kernel_kind``): where in the
+    step (HEAD, TAIL; SWEEP for prefix-cache entries), which half (K, V) and pool group."""
     HEAD_K_FULL = 0
     HEAD_V_FULL = 1
     TAIL_K_FULL = 2

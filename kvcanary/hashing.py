@@ -63,7 +63,11 @@ def splitmix64_inplace(x: np.ndarray) -> np.ndarray:
 
 
 def splitmix64(x):
-    """SplitMix64 finalizer. ``int -> int``; integer arrays -> new uint64 arrays."""
+    """SplitMix64 finalizer. ``int -> int``; integer arrays -> new uint64 arrays.
+
+    >>> hex(splitmix64(1))
+    '0x5692161d100b05e5'
+    """
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         return _splitmix64_int(int(x))
     return splitmix64_inplace(as_u64(x).copy())
@@ -93,7 +97,9 @@ def link_inplace(prev_hash: np.ndarray, token: np.ndarray, position: np.ndarray)
 
 
 def splitmix64_mix3(a, b, c):
-    """``h = splitmix64(a); h = splitmix64(h ^ b); h = splitmix64(h ^ c)``."""
+    """``h = splitmix64(a); h = splitmix64(h ^ b); h = splitmix64(h ^ c)``: a record's chain
+    link from its predecessor's link ``a``, its token ``b`` and its position ``c`` (ints, or
+    integer arrays broadcast to a new uint64 array)."""
     if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (a, b, c)):
         h = _splitmix64_int(int(a))
         h = _splitmix64_int(h ^ (int(b) & _MASK64))

@@ -78,4 +78,18 @@ def environment_report() -> dict:
         "nvrtc": _nvrtc_report(),
         "gpu": gpu,
         "kernel sources": kernels,
+        **_kernel_cache_report(),
     }
+
+
+def _kernel_cache_report() -> dict:
+    """The kernel cache folder, and the variants of the default bound (compiled in this
+    process or not: cupy caches by source and options, so a variant compiles once per
+    machine)."""
+    from .cuda import compiled_variants, kernel_cache_dir, variant_names
+
+    compiled = set(compiled_variants())
+    names = variant_names(MAX_REAL_KV_SOURCES)
+    return {"kernel cache": kernel_cache_dir(),
+            "kernel variants": ", ".join(n + (" (compiled)" if n in compiled else "")
+                                         for n in names)}

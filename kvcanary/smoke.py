@@ -171,17 +171,12 @@ def run_smoke(max_real_kv_sources: int = 4, *, xp=None, device=None, seed: int =
     report = SmokeReport(bound)
     sync = lambda: None  # noqa: E731
     if xp is None:
-        from .cuda import require_cupy
-        from .cuda import launch as L
+        from .cuda import compile_kernels, require_cupy
 
         xp = require_cupy()
         sync = xp.cuda.Device().synchronize
-        start = time.perf_counter()
-        for kernel, check in (("verify", False), ("verify", True), ("write", False)):
-            L.module(kernel, bound, check).get_function(L.KERNEL_FILES[kernel][1][0])
-        for name in L.KERNEL_FILES["plan"][1]:
-            L.module("plan", None, False).get_function(name)
-        report.timings.append((f"compile (N={bound})", time.perf_counter() - start))
+        for variant, seconds in compile_kernels(bound):
+            report.timings.append((f"compile {variant}", seconds))
     device = device or _Api()
     host = synthetic_batch(bound, seed)
     ref, dev = _World(np, host, bound), _World(xp, host, bound)

@@ -158,7 +158,14 @@ def _byte_rows(tensor, name: str):
 
 
 class VerifyPlan:
-    """Which prefix slots one verify launch checks, and against what (upstream's fields)."""
+    """Which prefix slots one verify launch checks, and against what (upstream's fields).
+
+    ``verify_slot_indices``, ``verify_expected_tokens`` (-1: unknown), ``verify_expected_positions``
+    and ``verify_prev_slot_indices`` (-1: chain head) are int64 ``[verify_capacity]``;
+    ``verify_num_valid`` and ``enable`` are int32 ``[1]``. :func:`kvcanary.plan` fills them in
+    place; :func:`kvcanary.verify` reads the first ``verify_num_valid`` entries. Allocate once
+    (numpy, or ``xp=cupy`` on the GPU) and reuse every step: ``VerifyPlan.allocate(4096)``.
+    """
 
     FIELDS = (
         "verify_slot_indices",
@@ -234,7 +241,15 @@ class VerifyPlan:
 
 class WritePlan:
     """Which requests one write launch stamps: CSR offsets into the step's tokens and each
-    request's seed slot (upstream's fields)."""
+    request's seed slot (upstream's fields).
+
+    ``write_offsets`` int64 ``[write_req_capacity + 1]`` (request ``r`` writes tokens
+    ``offsets[r]:offsets[r + 1]``), ``write_seed_slot_indices`` int64 ``[write_req_capacity]``
+    (the slot of the token before each request's first new one, -1: none) and
+    ``write_num_valid_reqs`` int32 ``[1]``. :func:`kvcanary.plan` fills them in place; the plan
+    also owns the kernels' scratch, so no launch allocates (CUDA-graph safe). Allocate once:
+    ``WritePlan.allocate(256)`` (``xp=cupy`` on the GPU).
+    """
 
     # Kernel working memory, allocated with the plan so that no launch allocates (a launch
     # captured in a CUDA graph must not free memory the pool hands out again): the plan
@@ -312,7 +327,13 @@ class WritePlan:
 
 class ViolationLog:
     """The shared violation sink: an ``int64[cap, 8]`` ring that never wraps and an
-    ``int32[1]`` index that always counts, so ``write_index - cap`` rows were dropped."""
+    ``int32[1]`` index that always counts, so ``write_index - cap`` rows were dropped.
+
+    Launches append rows in place; read them with :meth:`rows` (a host copy) or
+    :meth:`violations` (:class:`kvcanary.Violation` objects), count them with ``total``,
+    ``dropped`` and ``ring_overflow``, and :meth:`clear` between steps. ``ViolationLog.allocate(
+    1024)`` (``xp=cupy`` on the GPU); one log may be shared by several contexts.
+    """
 
     def __init__(self, ring, write_index):
         self.ring = A.as_array(ring, "violation_ring")
@@ -388,19 +409,27 @@ def to_host(array) -> np.ndarray:
 
 
 class CanaryContext:
-    """Everything a write or verify launch needs besides its plan (docs/format.md §6).
+    """Everything a write or verify launch needs besides its plan.
 
-    ``extensions=False`` turns kvcanary's launch-time extension rows off (today the write's
-    ``WRITE_SLOT_CONFLICT``), for upstream's bytes exactly, as ``audit --compat`` does for
-    the audit. ``SLOT_OUT_OF_RANGE`` stays on either way: the alternative is a read or write
-    outside an array (docs/extensions.md).
+    ``canary_buf`` uint8 ``[num_slots, CANARY_SLOT_BYTES]`` holds one record per KV slot
+    (slot 0 is padding); ``kernel_kind`` (a :class:`kvcanary.LaunchTag`) is stamped into
+    every violation row; ``violation_log`` (:class:`ViolationLog`) receives the rows;
+    ``slot_run_counter`` and ``kernel_run_counter`` int64 ``[1]`` count checked slots and
+    launches; ``real_kv_sources`` (up to ``max_real_kv_sources`` :class:`RealKvSource`) are
+    hashed per ``real_kv_hash_mode``; ``enable_chain_position_assert`` int32 ``[1]`` (default
+    on) makes write check each chain's positions. ``extensions=False`` turns kvcanary's
+    launch-time extension rows off (today the write's ``WRITE_SLOT_CONFLICT``), for upstream's
+    bytes exactly, as ``audit --compat`` does for the audit; ``SLOT_OUT_OF_RANGE`` stays on
+    either way, since the alternative is a read or write outside an array
+    (docs/extensions.md). All arrays of one library and device; the
+    launches write ``canary_buf`` (write), the log and the counters in place.
 
-    Example::
-
-        ctx = CanaryContext(np.zeros((1024, 32), np.uint8), kernel_kind=LaunchTag.HEAD_K_FULL,
-                            violation_log=ViolationLog.allocate(64),
-                            slot_run_counter=np.zeros(1, np.int64),
-                            kernel_run_counter=np.zeros(1, np.int64), extensions=False)
+    >>> import numpy as np, kvcanary as kc
+    >>> ctx = kc.CanaryContext(np.zeros((1024, kc.CANARY_SLOT_BYTES), np.uint8),
+    ...     kernel_kind=kc.LaunchTag.TAIL_K_FULL, violation_log=kc.ViolationLog.allocate(64),
+    ...     slot_run_counter=np.zeros(1, np.int64), kernel_run_counter=np.zeros(1, np.int64))
+    >>> ctx.num_slots
+    1024
     """
 
     def __init__(

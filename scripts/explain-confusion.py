@@ -5,10 +5,9 @@ sites (the verify entries it changed), on seeded campaign-style workloads.
 
     python scripts/explain-confusion.py --runs 8 --seed 0 [--layout per-token|paged] [--markdown]
 
-Workloads are drawn with the campaigns' own samplers (``kvcanary.campaign.sample_config``,
-``kvcanary.campaign_paged.sample_config``); every fault kind is injected at every target
-class (per-token layout; the interior for paged runs), audited with kvcanary's rules on the
-numpy backend, and every finding at a site where the fault must fire is counted under the
+Workloads are drawn with the campaign's own samplers (the ``sample_config`` of
+``kvcanary.campaign.layouts.PER_TOKEN`` and ``PAGED``); every fault kind is injected at every
+target class it reaches, in both layouts, audited with kvcanary's rules on the numpy backend, and every finding at a site where the fault must fire is counted under the
 cause its diagnosis names. Interacting pairs are not injected here.
 """
 
@@ -24,12 +23,12 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from kvcanary import campaign, campaign_paged
 from kvcanary.audit import audit
 from kvcanary.dump import load, save
-from kvcanary.synth import (MODES, TARGET_CLASSES, SynthConfig, SynthError, Synthesis,
+from kvcanary.campaign.layouts import PAGED, PER_TOKEN
+from kvcanary.synth import (MODES, SynthConfig, SynthError, Synthesis, fault_kinds,
                             faults_from_dump, inapplicable_kinds)
-from kvcanary.synth.faults import fault_kinds
+from kvcanary.synth.fault_kinds import kind_targets
 
 # The cause an explanation must name for each fault kind.
 TRUE_CAUSE = {
@@ -68,28 +67,19 @@ def run_one(index: int, seed: int, layout: str, counts: dict, misses: list,
             scratch: str) -> None:
     rng = np.random.default_rng([seed, index])
     mode = str(rng.choice(MODES))
-    if layout == "paged":
-        config = campaign_paged.sample_config(rng, mode, layout="paged")
-        targets = ("interior",)
-    else:
-        config = campaign.sample_config(rng, mode)
-        targets = TARGET_CLASSES
+    config = (PAGED if layout == "paged" else PER_TOKEN).sample_config(rng, mode)
     synth_config = SynthConfig(**config)
     clean = Synthesis(synth_config).run()
     skip = inapplicable_kinds(synth_config)
     for kind in fault_kinds(synth_config.paged):
         if kind in skip:
             continue
-        for target in targets:
-            made = []
-            for count in (PER_INJECTION, 1):   # paged injectors place all or none
-                synthesis = copy.deepcopy(clean)
-                try:
-                    made = (synthesis.inject(kind, count) if layout == "paged"
-                            else synthesis.inject_up_to(kind, count, target))
-                    break
-                except SynthError:
-                    continue
+        for target in kind_targets(kind):
+            synthesis = copy.deepcopy(clean)
+            try:
+                made = synthesis.inject_up_to(kind, PER_INJECTION, target)
+            except SynthError:
+                made = []
             if not made:
                 continue
             path = save(os.path.join(scratch, "d.npz"), **synthesis.arrays())

@@ -21,14 +21,13 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUPY_CACHE_DIR="$RESULTS/cupy-cache"
 
 # kvcanary from this checkout, laid out the way an install lays it out: the package with
-# its CLI (cli/) and kernel sources (kernels/) inside it. Links only; nothing is copied.
+# its kernel sources (kernels/) inside it. Links only; nothing is copied.
 SITE="$RESULTS/site"
 rm -rf "$SITE" && mkdir -p "$SITE/kvcanary"
 for entry in "$ROOT"/kvcanary/*; do
   case "$(basename "$entry")" in __pycache__) continue ;; esac
   ln -s "$entry" "$SITE/kvcanary/"
 done
-ln -s "$ROOT/cli" "$SITE/kvcanary/cli"
 ln -s "$ROOT/kernels" "$SITE/kvcanary/kernels"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 # Outside the checkout, so that `python -m` and `-c` (which put the working directory

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the oldest CuPy that each CUDA extra of pyproject.toml allows (cuda12, cuda13),
 # each with its own numpy, into its own directory under DEST (default .ci-cupy). Prints
-# the directories joined by ':', the value tests/test_cuda_host_side.py reads from
+# the directories joined by ':', the value tests/kernels/test_cuda_host_side.py reads from
 # KVCANARY_CUPY_PATHS. Needs a package index, no GPU (CuPy imports without one).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "kernels"
 # Every test module that runs the kernels on the CPU (the sanitizer module only re-runs
 # part of this subset in a child process with a different build, so it is left out).
-SUBSET = ["tests/test_kernels_cpu_out_of_range.py", "tests/test_kernels_cpu_plan.py",
-          "tests/test_kernels_cpu_properties.py", "tests/test_kernels_cpu_scenarios_plan.py",
-          "tests/test_kernels_cpu_scenarios_verify.py", "tests/test_kernels_cpu_scenarios_write.py",
-          "tests/test_kernels_cpu_coverage.py", "tests/test_kernels_launch.py",
-          "tests/test_smoke.py", "tests/test_fuzz_api.py"]
+SUBSET = ["tests/kernels/cpu/test_kernels_cpu_out_of_range.py", "tests/kernels/cpu/test_kernels_cpu_plan.py",
+          "tests/kernels/cpu/test_kernels_cpu_properties.py", "tests/reference/test_reference_plan.py",
+          "tests/reference/test_reference_verify.py", "tests/reference/test_reference_write.py",
+          "tests/kernels/cpu/test_kernels_cpu_coverage.py", "tests/kernels/test_kernels_launch.py",
+          "tests/cli/test_smoke.py", "tests/api/test_fuzz_api.py"]
 
 
 def run_subset(cache: Path, extra: list[str]) -> None:

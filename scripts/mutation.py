@@ -44,29 +44,29 @@ ROOT = Path(__file__).resolve().parent.parent
 # The tests that guard each file, fastest and most telling first (pytest stops at the
 # first failure). The two block-edge tests at full size are left to the full suite.
 SURVIVORS = "tests/test_mutation_survivors.py"  # tests written for earlier survivors
-EDGES = ["tests/test_block_boundaries.py", "-k", "not past_the_real"]
+EDGES = ["tests/reference/test_block_boundaries.py", "-k", "not past_the_real"]
 # out-of-range rows: the reference and the kernels side by side
-OUT_OF_RANGE = "tests/test_kernels_cpu_out_of_range.py"
-PLAN_TESTS = [SURVIVORS, "tests/test_plan_outputs_on_error.py", "tests/test_reference_plan.py",
-              "tests/test_oracle_equivalence.py", OUT_OF_RANGE]
-VERIFY_TESTS = [SURVIVORS, "tests/test_reference_verify.py", "tests/test_extensions.py",
-                "tests/test_oracle_equivalence.py", OUT_OF_RANGE]
-WRITE_TESTS = [SURVIVORS, "tests/test_reference_write.py", "tests/test_extensions.py",
-               "tests/test_oracle_equivalence.py", OUT_OF_RANGE]
-AUDIT_TESTS = [SURVIVORS, "tests/test_request_boundaries.py", "tests/test_audit.py"]
-DUMP_TESTS = [SURVIVORS, "tests/test_cli_exit_codes.py", "tests/test_dump.py"]
-CLI_TESTS = [SURVIVORS, "tests/test_cli_exit_codes.py",
+OUT_OF_RANGE = "tests/kernels/cpu/test_kernels_cpu_out_of_range.py"
+PLAN_TESTS = [SURVIVORS, "tests/api/test_plan_outputs_on_error.py", "tests/reference/test_reference_plan.py",
+              "tests/reference/test_oracle_equivalence.py", OUT_OF_RANGE]
+VERIFY_TESTS = [SURVIVORS, "tests/reference/test_reference_verify.py", "tests/api/test_extensions.py",
+                "tests/reference/test_oracle_equivalence.py", OUT_OF_RANGE]
+WRITE_TESTS = [SURVIVORS, "tests/reference/test_reference_write.py", "tests/api/test_extensions.py",
+               "tests/reference/test_oracle_equivalence.py", OUT_OF_RANGE]
+AUDIT_TESTS = [SURVIVORS, "tests/reference/test_request_boundaries.py", "tests/audit/test_audit.py"]
+DUMP_TESTS = [SURVIVORS, "tests/cli/test_cli_exit_codes.py", "tests/dump/test_dump.py"]
+CLI_TESTS = [SURVIVORS, "tests/cli/test_cli_exit_codes.py",
              # the interrupted record: its counts, and none in text format
-             "tests/test_interrupt.py::test_audit_jobs",
-             "tests/test_interrupt.py::test_audit_single_dump"]
-KERNEL_TESTS = [SURVIVORS, "tests/test_kernels_cpu_scenarios_verify.py",
-                "tests/test_kernels_cpu_scenarios_write.py",
-                "tests/test_kernels_cpu_scenarios_plan.py", "tests/test_kernels_cpu_out_of_range.py",
-                "tests/test_kernels_cpu_coverage.py", "tests/test_kernels_cpu_plan.py",
+             "tests/cli/test_interrupt.py::test_audit_jobs",
+             "tests/cli/test_interrupt.py::test_audit_single_dump"]
+KERNEL_TESTS = [SURVIVORS, "tests/reference/test_reference_verify.py",
+                "tests/reference/test_reference_write.py",
+                "tests/reference/test_reference_plan.py", "tests/kernels/cpu/test_kernels_cpu_out_of_range.py",
+                "tests/kernels/cpu/test_kernels_cpu_coverage.py", "tests/kernels/cpu/test_kernels_cpu_plan.py",
                 # the source-count bound's static_assert at both ends of [1, 64]
-                "tests/test_kernels_nvrtc.py::test_variant_compiles[verify-False-1-sm_80]",
-                "tests/test_kernels_nvrtc.py::test_variant_compiles[verify-False-64-sm_80]",
-                "tests/test_kernels_nvrtc.py::test_bound_out_of_range_fails_with_static_assert",
+                "tests/kernels/nvrtc/test_kernels_nvrtc.py::test_variant_compiles[verify-False-1-sm_80]",
+                "tests/kernels/nvrtc/test_kernels_nvrtc.py::test_variant_compiles[verify-False-64-sm_80]",
+                "tests/kernels/nvrtc/test_kernels_nvrtc.py::test_bound_out_of_range_fails_with_static_assert",
                 ]
 
 
@@ -78,18 +78,18 @@ class Target:
 
 
 TARGETS = [
-    Target("kvcanary/hashing.py", None, [SURVIVORS, "tests/test_hash_pins.py", *EDGES]),
+    Target("kvcanary/hashing.py", None, [SURVIVORS, "tests/reference/test_hash_pins.py", *EDGES]),
     Target("kvcanary/reference/plan.py", None, PLAN_TESTS),
     Target("kvcanary/reference/verify.py", None, VERIFY_TESTS),
     Target("kvcanary/reference/write.py", None, WRITE_TESTS),
-    Target("kvcanary/reference/realkv.py", None, [SURVIVORS, "tests/test_realkv.py", *EDGES]),
+    Target("kvcanary/reference/realkv.py", None, [SURVIVORS, "tests/reference/test_realkv.py", *EDGES]),
     Target("kvcanary/audit.py", ("_plan_chunks", "_attribute", "_occurrence", "_match_rows",
                                  "_slot_zero_rows"), AUDIT_TESTS),
     Target("kvcanary/diagnosis.py", ("failed_checks",), AUDIT_TESTS),
     Target("kvcanary/dump.py", ("_load_swa", "_load_expected", "_load_sweep", "nonnegative"),
            DUMP_TESTS),
-    Target("cli/audit.py", ("audit_command",), CLI_TESTS),
-    Target("cli/common.py", ("fail", "error_boundary"), CLI_TESTS),
+    Target("kvcanary/cli/audit.py", ("audit_command",), CLI_TESTS),
+    Target("kvcanary/cli/common.py", ("fail", "error_boundary"), CLI_TESTS),
     Target("kernels/kvc_common.cuh", None, KERNEL_TESTS),
     Target("kernels/kvc_realkv.cuh", None, KERNEL_TESTS),
     Target("kernels/kvc_plan.cu", None, KERNEL_TESTS),

@@ -11,7 +11,7 @@ device here; an invalid function handle on a machine with one). A ``TypeError`` 
 
 Run as a script (``python tests/cupy_stub.py``) it prints one JSON object: the CuPy
 version and, per check of :data:`CHECKS` and case, ``"ok"`` or what went wrong.
-tests/test_cuda_host_side.py runs the checks in-process and under each CuPy of
+tests/kernels/test_cuda_host_side.py runs the checks in-process and under each CuPy of
 ``KVCANARY_CUPY_PATHS``;
 benchmarks/bench_host_overhead.py times API calls through :func:`stub_backend`.
 """

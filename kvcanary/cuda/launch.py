@@ -17,9 +17,9 @@ import numpy as np
 
 from .. import arrays as A
 from ..consts import RealKvHashMode
+from ..arrays import context_arrays
 from ..kernel_source import kernel_dir
 from ..types import check_source_bound as check_bound
-from ..types import check_source_count
 
 # Kernel source file and entry points of each launch.
 KERNEL_FILES = {
@@ -58,11 +58,21 @@ def compile_defines(kernel: str, max_real_kv_sources: int | None,
 
 def compile_options(kernel: str, max_real_kv_sources: int | None,
                     check_expected_token: bool = False) -> tuple[str, ...]:
-    """NVRTC command-line options of one module variant (what ``cupy.RawModule`` gets)."""
-    options = [f"-std={CXX_STANDARD}", f"-I{kernel_dir()}"]
+    """NVRTC command-line options of one module variant (what ``cupy.RawModule`` gets). No
+    include path: :func:`kernel_source` inlines every local header, so the options and the
+    code, cupy's cache key, do not depend on where kvcanary is installed."""
+    options = [f"-std={CXX_STANDARD}"]
     options += [f"-D{name}={value}" for name, value in
                 compile_defines(kernel, max_real_kv_sources, check_expected_token)]
     return tuple(options)
+
+
+def variant_name(kernel: str, max_real_kv_sources: int | None,
+                 check_expected_token: bool = False) -> str:
+    """The readable name of one compiled module: ``verify_n4_tok1`` (kernel, source-count
+    bound, expected-token check), ``write_n4``, ``plan``."""
+    name = kernel if kernel == "plan" else f"{kernel}_n{max_real_kv_sources}"
+    return name + (f"_tok{int(check_expected_token)}" if kernel == "verify" else "")
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -118,9 +128,9 @@ def pack_sources(context) -> np.ndarray:
     CuPy passes a one-element numpy array by value on every version (a ``numpy.void``
     scalar is refused by 13.x and by 14.0 above 64 bytes). Without hashing (mode NONE or
     no sources) num_sources is 0 and mode NONE, so no descriptor is ever dereferenced.
-    Packed once per distinct set of descriptors: the launch path runs every step."""
+    Packed once per distinct set of descriptors: the launch path runs every step. The
+    source count was checked by the launch's ``validate`` (not again here)."""
     sources = context.real_kv_sources
-    check_source_count(len(sources), context.max_real_kv_sources)
     if not context.hashing:
         return _packed_sources(context.max_real_kv_sources, int(RealKvHashMode.NONE), ())
     descriptors = tuple((array_pointer(s.tensor), s.row_stride_bytes, s.page_size,
@@ -369,16 +379,27 @@ class Launcher:
 # GPU side (imported only once cupy saw a device)
 
 
+COMPILED: list = []     # variant names compiled in this process, in order
+
+
 @functools.lru_cache(maxsize=None)
 def module(kernel: str, max_real_kv_sources: int | None, check_expected_token: bool):
-    """One compiled ``cupy.RawModule`` per (kernel, bound, variant)."""
+    """One compiled ``cupy.RawModule`` per (kernel, bound, variant); a compile error names the
+    variant (:func:`variant_name`)."""
     import cupy
 
-    bound = max_real_kv_sources
-    if kernel != "plan":
-        bound = check_bound(max_real_kv_sources)
-    options = compile_options(kernel, bound if kernel != "plan" else None, check_expected_token)
-    return cupy.RawModule(code=kernel_source(kernel), options=options)
+    bound = None if kernel == "plan" else check_bound(max_real_kv_sources)
+    name = variant_name(kernel, bound, check_expected_token)
+    options = compile_options(kernel, bound, check_expected_token)
+    try:
+        compiled = cupy.RawModule(code=kernel_source(kernel), options=options)
+        for entry in KERNEL_FILES[kernel][1]:    # RawModule compiles lazily: compile now
+            compiled.get_function(entry)
+    except Exception as exc:  # cupy's CompileException, or a driver error
+        raise RuntimeError(f"kv-canary: kernel variant {name} did not compile "
+                           f"({' '.join(options)}): {exc}") from exc
+    COMPILED.append(name)
+    return compiled
 
 
 @functools.lru_cache(maxsize=None)
@@ -416,20 +437,6 @@ def launch_device(arrays, named) -> int:
         "every array of a launch must live on the canary buffer's device")
 
 
-def _context_arrays(context) -> tuple:
-    log = context.violation_log
-    return (context.canary_buf, log.ring, log.write_index, context.slot_run_counter,
-            context.kernel_run_counter, context.enable_chain_position_assert,
-            *[source.tensor for source in context.real_kv_sources])
-
-
-def _context_names(context) -> dict:
-    names = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
-             "kernel_run_counter", "enable_chain_position_assert")
-    names += tuple(f"real_kv_sources[{i}].tensor" for i in range(len(context.real_kv_sources)))
-    return dict(zip(names, _context_arrays(context)))
-
-
 def _on_device(device_id: int, launch) -> None:
     """Run ``launch(launcher)`` with ``device_id`` current (cupy launches on the current
     device and its current stream)."""
@@ -444,8 +451,8 @@ def _on_device(device_id: int, launch) -> None:
 
 def verify(context, plan, *, check_expected_token: bool) -> None:
     device = launch_device(
-        (*_context_arrays(context), *plan.arrays().values()),
-        lambda: {**_context_names(context), **plan.arrays()})
+        (*context_arrays(context).values(), *plan.arrays().values()),
+        lambda: {**context_arrays(context), **plan.arrays()})
     _on_device(device, lambda launcher: launcher.verify(
         context, plan, check_expected_token=check_expected_token))
 
@@ -456,9 +463,9 @@ def write(context, plan, *, input_ids, positions, out_cache_loc, expected_input_
               "expected_input_tokens": expected_input_tokens,
               "expected_input_positions": expected_input_positions}
     device = launch_device(
-        (*_context_arrays(context), plan.write_offsets, plan.write_seed_slot_indices,
+        (*context_arrays(context).values(), plan.write_offsets, plan.write_seed_slot_indices,
          plan.write_num_valid_reqs, *tokens.values()),
-        lambda: {**_context_names(context), **plan.arrays(), **tokens})
+        lambda: {**context_arrays(context), **plan.arrays(), **tokens})
     _on_device(device, lambda launcher: launcher.write(context, plan, **tokens))
 
 

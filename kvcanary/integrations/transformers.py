@@ -39,7 +39,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-import kvcanary as kc
+from .. import api
+from ..consts import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, LaunchTag, RealKvHashMode
+from ..types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
 
 from ..dump import save as save_dump
 from ..types import to_host
@@ -62,8 +64,8 @@ SUPPORTED_RANGE = ">=5.20,<5.25"
 SOURCE_PRESETS = ("k0", "kv-all")
 PLAN_FROM = ("read_indices", "block_table")
 ON_VIOLATION = ("log", "raise")
-HASH_MODES = {"none": kc.RealKvHashMode.NONE, "partial": kc.RealKvHashMode.PARTIAL,
-              "all": kc.RealKvHashMode.ALL}
+HASH_MODES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL,
+              "all": RealKvHashMode.ALL}
 
 
 class GuardError(RuntimeError):
@@ -282,7 +284,7 @@ class Guard:
                  ring_capacity):
         self.model = model
         self.sources = sources
-        self.hash_mode = hash_mode if sources else kc.RealKvHashMode.NONE
+        self.hash_mode = hash_mode if sources else RealKvHashMode.NONE
         self.check_tokens = check_tokens
         self.plan_from = plan_from
         self.on_violation = on_violation
@@ -434,15 +436,15 @@ class _Session:
             self.xp = cupy
         xp = self.xp
         self.real_kv = self._sources(copy_view)
-        self.context = kc.CanaryContext(
-            xp.zeros((self.num_slots, kc.CANARY_SLOT_BYTES), dtype=xp.uint8),
-            kernel_kind=kc.LaunchTag.TAIL_K_FULL,
-            violation_log=kc.ViolationLog.allocate(g.ring_capacity, xp=xp),
+        self.context = CanaryContext(
+            xp.zeros((self.num_slots, CANARY_SLOT_BYTES), dtype=xp.uint8),
+            kernel_kind=LaunchTag.TAIL_K_FULL,
+            violation_log=ViolationLog.allocate(g.ring_capacity, xp=xp),
             slot_run_counter=xp.zeros(1, dtype=xp.int64),
             kernel_run_counter=xp.zeros(1, dtype=xp.int64),
             real_kv_sources=tuple(source for _, source in self.real_kv),
             real_kv_hash_mode=g.hash_mode,
-            max_real_kv_sources=max(kc.MAX_REAL_KV_SOURCES, len(self.real_kv)))
+            max_real_kv_sources=max(MAX_REAL_KV_SOURCES, len(self.real_kv)))
         self.writer_request = np.full(self.num_slots, -1, dtype=np.int64)
         self.writer_position = np.full(self.num_slots, -1, dtype=np.int64)
         self.writer_step = np.full(self.num_slots, -1, dtype=np.int64)
@@ -467,7 +469,7 @@ class _Session:
             local = a.layer_indices.index(layer)
             start = (2 * local + (kind == "v")) * page_bytes
             view = copy_view[:, start:start + page_bytes]
-            out.append((f"{kind}{layer}", kc.RealKvSource(
+            out.append((f"{kind}{layer}", RealKvSource(
                 view, page_size=self.page, num_bytes_per_token=token_bytes,
                 read_bytes=token_bytes)))
         return out
@@ -563,13 +565,13 @@ class _Session:
         prefix = np.array([b.past for b in batch], dtype=np.int64)
         extend = np.array([b.query for b in batch], dtype=np.int64)
         capacity = max(1, int(prefix.sum()))
-        self.verify_plan = kc.VerifyPlan.allocate(capacity, xp=xp)
-        self.write_plan = kc.WritePlan.allocate(max(1, n), xp=xp)
+        self.verify_plan = VerifyPlan.allocate(capacity, xp=xp)
+        self.write_plan = WritePlan.allocate(max(1, n), xp=xp)
         kwargs = {}
         if g.check_tokens:
             kwargs = dict(req_to_verify_expected_tokens=xp.asarray(pool),
                           req_to_verify_expected_tokens_valid_lens=xp.asarray(valid))
-        kc.plan(req_pool_indices=xp.arange(1, n + 1, dtype=xp.int64),
+        api.plan(req_pool_indices=xp.arange(1, n + 1, dtype=xp.int64),
                 prefix_lens=xp.asarray(prefix), extend_seq_lens=xp.asarray(extend),
                 req_to_token=xp.asarray(table), verify_plan=self.verify_plan,
                 write_plan=self.write_plan, **kwargs)
@@ -583,7 +585,7 @@ class _Session:
                 events[(i, int(pos), int(read[pos]))] = [0, None, {READ_INDEX_MISMATCH}]
                 self.misread.add((i, int(pos)))
         if entries:
-            kc.verify(self.context, self.verify_plan, check_expected_token=g.check_tokens)
+            api.verify(self.context, self.verify_plan, check_expected_token=g.check_tokens)
             g.stats["entries_verified"] += entries
             rows = self._take_rows()
             if rows.shape[0]:
@@ -613,14 +615,14 @@ class _Session:
     def _host_context(self):
         if self.xp is np:
             return self.context
-        sources = tuple(kc.RealKvSource(np.ascontiguousarray(to_host(s.tensor)),
+        sources = tuple(RealKvSource(np.ascontiguousarray(to_host(s.tensor)),
                                         page_size=s.page_size,
                                         num_bytes_per_token=s.num_bytes_per_token,
                                         read_bytes=s.read_bytes)
                         for _, s in self.real_kv)
         c = self.context
-        return kc.CanaryContext(to_host(c.canary_buf), kernel_kind=c.kernel_kind,
-                                violation_log=kc.ViolationLog.allocate(1),
+        return CanaryContext(to_host(c.canary_buf), kernel_kind=c.kernel_kind,
+                                violation_log=ViolationLog.allocate(1),
                                 slot_run_counter=np.zeros(1, np.int64),
                                 kernel_run_counter=np.zeros(1, np.int64),
                                 real_kv_sources=sources, real_kv_hash_mode=c.real_kv_hash_mode,
@@ -653,7 +655,7 @@ class _Session:
         expected_tokens = np.where(expected_tokens < 0, input_ids, expected_tokens)
         expected_positions = np.concatenate(
             [np.arange(past, past + q, dtype=np.int64) for _, q, _, past, _, _, _ in batch])
-        kc.write(self.context, self.write_plan, input_ids=xp.asarray(input_ids),
+        api.write(self.context, self.write_plan, input_ids=xp.asarray(input_ids),
                  positions=xp.asarray(positions), out_cache_loc=xp.asarray(written),
                  expected_input_tokens=xp.asarray(expected_tokens),
                  expected_input_positions=xp.asarray(expected_positions))
@@ -802,8 +804,8 @@ class _Session:
             block_table=block_table, block_size=self.page,
             req_pool_indices=np.arange(1, n + 1, dtype=np.int64),
             seq_lens=np.array([length for _, _, length, _ in last], dtype=np.int64),
-            launch_tag=kc.LaunchTag.TAIL_K_FULL.name)
-        if self.real_kv and self.guard.hash_mode != kc.RealKvHashMode.NONE:
+            launch_tag=LaunchTag.TAIL_K_FULL.name)
+        if self.real_kv and self.guard.hash_mode != RealKvHashMode.NONE:
             for i, (_, source) in enumerate(self.real_kv):
                 arrays[f"real_kv_{i}"] = np.ascontiguousarray(to_host(source.tensor))
             arrays["real_kv_params"] = np.array(

@@ -24,15 +24,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..consts import EXPECTED_TOKEN_UNKNOWN, PLAN_SLOT_OUT_OF_TABLE, REQ_POOL_IDX_PADDING
+from ..rules import window_start
 
 # Verify entries per step when an overflowed plan's entries are checked against the LUT.
 _CHECK_ENTRIES = 1 << 16
-
-
-def window_start(prefix_lens: np.ndarray, swa_window_size: int) -> np.ndarray:
-    if swa_window_size > 0:
-        return np.maximum(0, prefix_lens - swa_window_size)
-    return np.zeros_like(prefix_lens)
 
 
 def table_slots(table: np.ndarray, rows: np.ndarray, positions: np.ndarray,

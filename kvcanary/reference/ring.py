@@ -1,30 +1,10 @@
-"""Violation ring commit (docs/format.md §10) and the record-field view of a canary buffer."""
+"""Violation ring commit (docs/format.md §10)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..consts import CANARY_FIELDS_PER_SLOT, VIOLATION_FIELDS
-
-
-def canary_fields(canary_buf: np.ndarray) -> np.ndarray:
-    """``uint8[N, stride]`` as ``int64[N, 4]`` (a view: writes land in the buffer)."""
-    return canary_buf.view("<i8")[:, :CANARY_FIELDS_PER_SLOT]
-
-
-def as_i64(values) -> np.ndarray:
-    """Any integer array or scalar as int64 (uint64 hash bits reinterpreted, not converted)."""
-    array = np.asarray(values)
-    return array.view(np.int64) if array.dtype == np.uint64 else array.astype(np.int64, copy=False)
-
-
-def violation_rows(kernel_kind, slot, position, stored_token, expected_token,
-                   stored_chain_hash, expected_aux, bits) -> np.ndarray:
-    """Stack per-field arrays (or scalars) into ``int64[n, 8]`` ring rows."""
-    columns = np.broadcast_arrays(*(as_i64(c) for c in (
-        kernel_kind, slot, position, stored_token, expected_token,
-        stored_chain_hash, expected_aux, bits)))
-    return np.stack(columns, axis=-1).reshape(-1, VIOLATION_FIELDS)
+from ..rules import canary_fields  # noqa: F401  (the reference's kernels read records here)
 
 
 def commit_rows(log, rows: np.ndarray) -> None:

@@ -18,8 +18,9 @@ import numpy as np
 
 from ..consts import EXPECTED_TOKEN_UNKNOWN, FailReason, TOKEN_TO_KV_SLOT_PADDING
 from ..hashing import CHAIN_HEAD, link_inplace
+from ..rules import violation_rows
 from .realkv import outside_sources, real_kv_hash
-from .ring import canary_fields, commit_rows, violation_rows
+from .ring import canary_fields, commit_rows
 
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
 _TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)

@@ -27,8 +27,9 @@ import numpy as np
 
 from ..consts import TOKEN_TO_KV_SLOT_PADDING, FailReason
 from ..hashing import CHAIN_HEAD, mix3_inplace
+from ..rules import violation_rows
 from .realkv import outside_sources, real_kv_hash
-from .ring import canary_fields, commit_rows, violation_rows
+from .ring import canary_fields, commit_rows
 
 _OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
 _TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)

@@ -12,9 +12,9 @@ The parts of a serving engine, one module each:
 * ``scheduler``: admission, chunked prefill, decode, finish.
 * ``kv_pool``: the canary records and real KV a step writes, and the canary launches of a
   step (plan, periodic verify, TAIL write); a violation in the honest run raises.
+* ``fault_kinds``: what a fault is (kinds, target classes, the bits each fires, its sites).
 * ``faults``: fault injection into the final state, at target classes (request heads, last
   tokens, window heads, chunk boundaries, shared and cached prefix blocks, the interior).
-* ``faults_paged``: a paged engine's faults (whole blocks lost; interior entries only).
 * ``dump_writer``: the dump keys of a run (live requests, cache blocks as sweep entries,
   ground truth under ``synth_`` keys).
 * ``scoring``: ground truth read back from a dump and matched against an audit's findings.
@@ -26,9 +26,10 @@ launch on the CUDA kernels (the library moves the arrays per launch, so keep suc
 
 from .config import MAX_SEED, MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
 from .engine import Synthesis, synthesize
-from .faults import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, PAGED_FAULT_DESCRIPTIONS,
-                     PAGED_FAULT_KINDS, TARGET_CLASSES, TARGET_DESCRIPTIONS, Fault, Site,
-                     fault_kinds, inapplicable_kinds, parse_inject, site_bits)
+from .fault_kinds import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS,
+                          PAGED_FAULT_DESCRIPTIONS, PAGED_FAULT_KINDS, TARGET_CLASSES,
+                          TARGET_DESCRIPTIONS, Fault, Site, fault_kinds, inapplicable_kinds,
+                          parse_inject, site_bits)
 from .scoring import FaultOutcome, fault_note, faults_from_dump, score
 
 __all__ = [

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .faults import PAIR_SHAPES, SWEEP, TARGET_CLASSES, fault_kinds
+from .fault_kinds import PAIR_SHAPES, SWEEP, TARGET_CLASSES, fault_kinds
 from .prefix_cache import SweepIndex
 
 
@@ -63,8 +63,6 @@ def dump_arrays(synthesis) -> dict:
     for name in ("batch_index", "request_row", "position", "slot", "expected_bits", "detail"):
         out[f"synth_fault_{name}"] = np.array([getattr(x, name) for x in f], dtype=np.int64)
     out["synth_fault_visible"] = np.array([int(x.visible) for x in f], dtype=np.int64)
-    if c.paged:
-        return out   # paged faults are scored at their target entry (no classes, no sites)
     targets = TARGET_CLASSES + PAIR_SHAPES
     out["synth_fault_targets"] = ",".join(targets)
     out["synth_fault_target"] = np.array([targets.index(x.target) for x in f], dtype=np.int64)

@@ -7,11 +7,12 @@ import time
 
 import numpy as np
 
+from ..dump import DUMP_VERSION, VERSION_KEY, Dump, validate
 from .allocator import SlotAllocator
 from .config import Stats, SynthConfig, SynthError
 from .dump_writer import dump_arrays, live_requests, sweep_entries
-from .faults import DEFAULT_TARGET, FaultInjector
-from .faults_paged import PagedFaultInjector
+from .fault_kinds import default_target
+from .faults import FaultInjector
 from .kv_pool import KvPool
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
@@ -34,7 +35,7 @@ class Synthesis:
         self.scheduler = Scheduler(c, self.allocator, self.cache, self.workload, self.pool,
                                    self.stats)
         self.faults: list = []
-        self.injector = PagedFaultInjector(self) if c.paged else FaultInjector(self)
+        self.injector = FaultInjector(self)
 
     # The state readers (tests, the CLI, fault injection) look at.
     table = property(lambda self: self.scheduler.table.array)   # req_to_token or block_table
@@ -69,14 +70,15 @@ class Synthesis:
     def _step(self) -> None:
         self.scheduler.step()
 
-    def inject(self, kind: str, count: int = 1, target: str = DEFAULT_TARGET) -> list:
-        """Inject ``count`` faults of ``kind`` at ``target`` entries of the final state (a
-        SynthError when fewer fit); returns them."""
-        return self.injector.inject(kind, count, target)
+    def inject(self, kind: str, count: int = 1, target: str | None = None) -> list:
+        """Inject ``count`` faults of ``kind`` at ``target`` entries of the final state (by
+        default the kind's :func:`~kvcanary.synth.faults.default_target`; a SynthError when
+        fewer fit); returns them."""
+        return self.injector.inject(kind, count, target or default_target(kind))
 
-    def inject_up_to(self, kind: str, count: int, target: str = DEFAULT_TARGET) -> list:
+    def inject_up_to(self, kind: str, count: int, target: str | None = None) -> list:
         """Inject at most ``count`` faults, as many as there are free ``target`` entries."""
-        return self.injector.inject_up_to(kind, count, target)
+        return self.injector.inject_up_to(kind, count, target or default_target(kind))
 
     def live(self) -> tuple:
         return live_requests(self.running)
@@ -86,6 +88,14 @@ class Synthesis:
 
     def arrays(self) -> dict:
         return dump_arrays(self)
+
+    def dump(self) -> Dump:
+        """The current state as a validated in-memory :class:`~kvcanary.dump.Dump`, what
+        ``load`` gives after ``save(path, **synthesis.arrays())``."""
+        values = {VERSION_KEY: np.array(DUMP_VERSION, dtype=np.int64)}
+        values.update((key, np.asarray(value)) for key, value in self.arrays().items()
+                      if value is not None)
+        return validate("<synth>", "memory", values)
 
 
 def synthesize(config: SynthConfig, inject=(), progress=None) -> Synthesis:

@@ -1,214 +1,28 @@
-"""Fault injection into a finished run's state, with ground truth.
+"""Fault injection into a finished run's state (the faults themselves: :mod:`.fault_kinds`),
+one injector for per-token and paged engines over one entry table: every verify entry of the
+final state with its class masks, and its ``unit`` (the table entry it reads through: its
+position, or on a paged engine its block; a block fault's footprint).
 
-A fault has a kind (what goes wrong) and a target class (where: a request's head, a shared
-prefix-cache block, a window edge, ...). Its ground truth is the list of *sites*, the verify
-entries that read what the fault changed, each with the bits it must fire there: every live
-request that maps a changed record (and the prefix cache's sweep entry of it), or the one
-entry whose table slot changed.
-
-Faults of one injector never interact: a target's slot is never another target's slot or a
-chain neighbour of one (in any request row or sweep chain), because a changed record breaks
+Faults of one injector never interact: a target's slots are never another target's slots or
+chain neighbours of them (in any request row or sweep chain), because a changed record breaks
 its successor's chain link. Candidates are filtered without random draws and a failed pick
 gives its draws back, so ``inject(kind, n)`` after ``k`` placed faults of a kind that ran out
 leaves the generator exactly where ``inject(kind, k)`` would have.
-
-A target class is a mask over the verify entries of the final state (``_class_masks``). A
-paged engine's faults are placed by :mod:`.faults_paged` (interior entries of request-owned
-blocks); block-first and block-last classes would be two more masks here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import api
-from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
 from ..types import WritePlan
 from .config import SynthError
+from .fault_kinds import (BLOCK_KINDS, DEFAULT_TARGET, PAIR_SHAPES, REQUEST, SWEEP, Fault, Site,
+                          check_kind_target, real_kv_byte_note, real_kv_byte_visible,
+                          site_bits)
 from .prefix_cache import SweepIndex
-
-FAULT_KINDS = ("token", "position", "prev-hash", "real-kv-byte", "alias", "swap",
-               "stale-reuse", "slot-zero", "lost-write")
-FAULT_DESCRIPTIONS = {
-    "token": "the stored token of a record changed",
-    "position": "the stored position of a record changed",
-    "prev-hash": "the stored chain link of a record changed",
-    "real-kv-byte": "one byte of a slot's real KV changed",
-    "alias": "a request's table entry points at another request's slot",
-    "swap": "two table entries of one request exchanged",
-    "stale-reuse": "a slot reallocated and rewritten while a live request still maps it",
-    "slot-zero": "a live table entry mapped to padding slot 0",
-    "lost-write": "a token's canary record and KV never written",
-}
-PAGED_FAULT_KINDS = FAULT_KINDS + ("evicted-block",)
-PAGED_FAULT_DESCRIPTIONS = {
-    **FAULT_DESCRIPTIONS,
-    "alias": "a block-table entry points at another request's block",
-    "swap": "two block-table entries of one request exchanged",
-    "stale-reuse": "a block freed while still referenced, reallocated and rewritten",
-    "slot-zero": "a live block-table entry set to the null block 0",
-    "evicted-block": "a cached block evicted while live requests map it, then rewritten",
-}
-TARGET_CLASSES = ("head", "interior", "last", "chunk-boundary", "window-head", "shared",
-                  "cached")
-DEFAULT_TARGET = "interior"
-TARGET_DESCRIPTIONS = {
-    "head": "position 0 of a live request (owned, or the first slot of a shared prefix)",
-    "interior": "a request-owned entry whose predecessor and successor are verified",
-    "last": "a live request's last written token (it has no successor)",
-    "chunk-boundary": "the first token of a later chunk of a chunked prefill",
-    "window-head": "the first entry of a sliding window, its predecessor's SWA slot freed",
-    "shared": "a slot of a prefix-cache block that live requests map",
-    "cached": "a slot of a prefix-cache block no live request maps (a sweep entry only)",
-}
-# Two faults placed next to each other where real bugs interact, ``KIND+KIND`` at a shape:
-# two entries of one shared prefix-cache block, or a shared prefix's last entry and the first
-# entry the request wrote after it (a chain seam). Each fault is scored at its own sites, so
-# a site both reach must fire the union of their bits. slot-zero is not paired: a predecessor
-# in slot 0 makes the next entry's chain check vacuous (verify's unfilled-slot rule), so it
-# would hide a chain fault beside it; real-kv-byte is not paired either (mode-dependent).
-PAIR_SHAPES = ("shared-block", "chain-seam")
-PAIR_KINDS = ("token", "position", "prev-hash", "alias", "stale-reuse", "lost-write")
-# Pairs whose joint effect is not the union of each alone, and why.
-PAIRS_NOT_UNION = {
-    ("lost-write", "lost-write"): "the chain link of an all-zero record is 0, so a zeroed "
-                                  "record right after another zeroed record holds a "
-                                  "consistent link: only the position check sees the second",
-}
-PAIR_DESCRIPTIONS = {
-    "shared-block": "two faults in one prefix-cache block that live requests map",
-    "chain-seam": "a fault on a shared prefix's last entry and one on the request's next entry",
-}
-# Bits a fault fires at an interior target (other targets: :func:`site_bits`).
-EXPECTED_BITS = {
-    "token": FailReason.VERIFY_TOKEN_MISMATCH,
-    "position": FailReason.VERIFY_POSITION_MISMATCH,
-    "prev-hash": FailReason.VERIFY_CHAIN_HASH_MISMATCH,
-    "real-kv-byte": FailReason.VERIFY_REAL_KV_HASH_MISMATCH,
-    "alias": FailReason.VERIFY_POSITION_MISMATCH,
-    "swap": FailReason.VERIFY_POSITION_MISMATCH,
-    "stale-reuse": FailReason.VERIFY_POSITION_MISMATCH,
-    "slot-zero": FailReason.SLOT_ZERO_IN_PREFIX,
-    "lost-write": FailReason.VERIFY_POSITION_MISMATCH | FailReason.VERIFY_CHAIN_HASH_MISMATCH,
-    "evicted-block": FailReason.VERIFY_POSITION_MISMATCH,
-}
-REQUEST, SWEEP = "request", "sweep"
-
-
-def site_bits(kind: str, entry: str, position: int, prev: int, real_kv_visible: bool) -> int:
-    """The bits a fault of ``kind`` must fire at one verify entry it changed: a request entry
-    or a sweep entry at ``position`` whose predecessor slot is ``prev`` (-1: chain head, 0:
-    unreachable, its chain check vacuous)."""
-    if kind == "token":
-        # Sweep entries carry no expected token: the prefix cache keeps no token pool.
-        return int(FailReason.VERIFY_TOKEN_MISMATCH) if entry == REQUEST else 0
-    if kind == "prev-hash":
-        return int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) if prev != 0 else 0
-    if kind == "real-kv-byte":
-        return int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH) if real_kv_visible else 0
-    if kind == "slot-zero":
-        # Verify skips slot 0 as unfilled; the extension flags it in live requests only.
-        return int(FailReason.SLOT_ZERO_IN_PREFIX) if entry == REQUEST else 0
-    if kind == "lost-write":
-        # A zero record holds position 0 and chain link 0.
-        return ((int(FailReason.VERIFY_POSITION_MISMATCH) if position != 0 else 0)
-                | (int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) if prev != 0 else 0))
-    return int(EXPECTED_BITS[kind])
-
-
-@dataclass(frozen=True)
-class Site:
-    """A verify entry a fault changed: ``entry`` is ``request`` (``request_row``, ``position``)
-    or ``sweep`` (``position``, ``slot``); ``slot`` is what the entry reads after the fault."""
-    entry: str
-    request_row: int
-    position: int
-    slot: int
-    bits: int
-
-
-def fault_kinds(paged: bool) -> tuple:
-    """The fault kinds of a layout."""
-    return PAGED_FAULT_KINDS if paged else FAULT_KINDS
-
-
-@dataclass
-class Fault:
-    kind: str
-    batch_index: int
-    request_row: int
-    position: int
-    slot: int
-    expected_bits: int
-    visible: bool
-    detail: int = -1
-    note: str = ""
-    target: str = DEFAULT_TARGET
-    sites: tuple = field(default_factory=tuple)
-
-
-def inapplicable_kinds(config) -> dict:
-    """Fault kinds that cannot be injected into a workload of ``config``, with the reason."""
-    if config.sources == 0:
-        return {"real-kv-byte": "no real-KV sources (--sources 0)"}
-    return {}
-
-
-def parse_inject(specs, config=None) -> list:
-    """``["token", "alias:3@head"]`` -> ``[("token", 1, "interior"), ("alias", 3, "head")]``;
-    kind ``all`` means every kind that applies to ``config`` (see :func:`inapplicable_kinds`),
-    class ``all`` every target class; ``token+position:2@chain-seam`` places two interacting
-    pairs. A paged ``config`` takes the paged kinds (:func:`fault_kinds`), at interior entries
-    only."""
-    skipped = inapplicable_kinds(config) if config is not None else {}
-    paged = config is not None and config.paged
-    result = []
-    for spec in specs:
-        body, _, target = spec.partition("@")
-        kind, _, count = body.partition(":")
-        kind, target = kind.strip(), target.strip() or DEFAULT_TARGET
-        try:
-            number = int(count) if count else 1
-        except ValueError:
-            raise SynthError(f"--inject {spec}: COUNT must be an integer") from None
-        if number < 1:
-            raise SynthError(f"--inject {spec}: COUNT must be at least 1")
-        kinds = ([k for k in fault_kinds(paged) if k not in skipped] if kind == "all"
-                 else (kind,))
-        targets = TARGET_CLASSES if target == "all" and not paged else (target,)
-        for name in kinds:
-            for where in targets:
-                _check(name, where, paged)
-                result.append((name, number, where))
-    return result
-
-
-def _check(kind: str, target: str, paged: bool = False) -> None:
-    if paged:
-        if kind not in PAGED_FAULT_KINDS:
-            raise SynthError(_unknown_kind(kind, PAGED_FAULT_KINDS) + ", or all)")
-        if target != DEFAULT_TARGET:
-            raise SynthError(f"--inject {kind}@{target}: a paged run (--block-size) places "
-                             f"faults at {DEFAULT_TARGET} entries only")
-        return
-    if target in PAIR_SHAPES:
-        first, plus, second = kind.partition("+")
-        if not plus or first not in PAIR_KINDS or second not in PAIR_KINDS:
-            raise SynthError(f"--inject {kind}@{target}: a pair shape takes KIND+KIND, each "
-                             f"one of {', '.join(PAIR_KINDS)}")
-        return
-    if kind not in FAULT_KINDS:
-        raise SynthError(_unknown_kind(kind, FAULT_KINDS) + ", or all)")
-    if target not in TARGET_CLASSES:
-        raise SynthError(f"--inject: unknown target class {target!r} (one of "
-                         f"{', '.join(TARGET_CLASSES + PAIR_SHAPES)}, or all)")
-
-
-def _unknown_kind(name: str, kinds) -> str:
-    paged = " (needs --block-size)" if name in PAGED_FAULT_KINDS else ""
-    return f"--inject: unknown fault kind {name!r}{paged} (one of {', '.join(kinds)}"
 
 
 @dataclass
@@ -220,6 +34,8 @@ class _Entries:
     position: np.ndarray
     slot: np.ndarray       # canary slot read
     prev: np.ndarray       # canary slot of the predecessor (-1 head, 0 unreachable)
+    unit: np.ndarray       # the table entry read through: same value, same position or block
+    unit_slots: np.ndarray  # [entries, block size] canary slots of the unit (-1: unwritten)
     masks: dict            # target class -> bool mask over the entries
 
 
@@ -228,6 +44,8 @@ class FaultInjector:
 
     def __init__(self, synthesis):
         self.s = synthesis
+        self.paged = synthesis.config.paged
+        self.bs = synthesis.scheduler.table.block_size   # positions per table entry
         self._entries = None
         self._sweep = None
         self.blocked = None                # canary slot -> taken or next to a target
@@ -247,7 +65,7 @@ class FaultInjector:
         """Inject up to ``count`` faults, stopping (with the generator untouched by the failed
         attempt) when no target entry is left."""
         s = self.s
-        _check(kind, target)
+        check_kind_target(kind, target, self.paged)
         if count < 1:
             raise SynthError(f"--inject {kind}: COUNT must be at least 1, got {count}")
         if kind == "real-kv-byte" and not s.sources:
@@ -279,16 +97,17 @@ class FaultInjector:
         return self._entries
 
     def _build_entries(self) -> _Entries:
-        s = self.s
-        c, canary = s.config, s.allocator.canary_slots
+        s, bs = self.s, self.bs
+        c, canary, table = s.config, s.allocator.canary_slots, s.scheduler.table
         W = c.swa_window
-        cols = {name: [] for name in ("entry", "batch", "row", "position", "slot", "prev")}
+        names = ("entry", "batch", "row", "position", "slot", "prev", "unit", "unit_slots")
+        cols = {name: [] for name in names}
         meta = {name: [] for name in ("matched", "seq_len", "prompt_len", "start")}
+        offsets = np.arange(bs, dtype=np.int64)
         for b, request in enumerate(s.running):
             start = max(0, request.seq_len - W) if W else 0
             positions = np.arange(start, request.seq_len, dtype=np.int64)
-            full = s.table[request.row, :request.seq_len].astype(np.int64)
-            slots = canary(full)
+            slots = canary(table.slots(request.row, 0, request.seq_len))
             prev = np.full(positions.shape, -1, dtype=np.int64)
             prev[positions > 0] = slots[positions[positions > 0] - 1]
             n = positions.shape[0]
@@ -297,6 +116,10 @@ class FaultInjector:
             cols["position"].append(positions)
             cols["slot"].append(slots[start:])
             cols["prev"].append(prev)
+            cols["unit"].append(b * (c.max_context_len + 1) + positions // bs)
+            unit = positions[:, None] // bs * bs + offsets
+            cols["unit_slots"].append(np.where(unit < request.seq_len,
+                                               slots[np.minimum(unit, request.seq_len - 1)], -1))
             for name, value in (("matched", request.matched), ("seq_len", request.seq_len),
                                 ("prompt_len", request.prompt_len), ("start", start)):
                 meta[name].append(np.full(n, value, dtype=np.int64))
@@ -308,6 +131,10 @@ class FaultInjector:
         cols["position"].append(sweep.positions)
         cols["slot"].append(sweep.slots)
         cols["prev"].append(sweep.prevs)
+        k = np.arange(m, dtype=np.int64)
+        cols["unit"].append(-1 - k // bs)
+        cols["unit_slots"].append(sweep.slots[(k // bs * bs)[:, None] + offsets].reshape(m, bs)
+                                  if m else np.zeros((0, bs), dtype=np.int64))
         for name in meta:
             meta[name].append(np.full(m, -1, dtype=np.int64))
         e = {name: np.concatenate(v) for name, v in cols.items()}
@@ -339,19 +166,59 @@ class FaultInjector:
             # first entries of the pair shapes (the second: ``_place_pair``)
             "shared-block": reachable,
             "chain-seam": reachable & (p == mt["matched"] - 1),
+            "mapped-cached": live & ~owned,     # in a prefix-cache block the request holds
         }
 
     # ------------------------------------------------------------------ picking
 
     def _pick_for(self, kind: str, target: str) -> int:
-        """A lost write prefers a slot its first occupant wrote (a real never-written slot)."""
+        """A lost write prefers a slot its first occupant wrote (a real never-written slot); a
+        paged block fault a unit none of whose slots is taken (and, evicted-block, one of a
+        cached block live requests map)."""
+        e = self.entries()
         if kind == "lost-write":
-            e = self.entries()
             try:
                 return self._pick(target, self.s.pool.write_count[e.slot] == 1)
             except _NoTarget:
                 pass
+        if self.paged and kind in BLOCK_KINDS:
+            where = self._free_units()
+            if kind == "evicted-block":
+                where &= self._evictable()
+            return self._pick(target, where)
         return self._pick(target)
+
+    def _free_units(self, whole: bool = False) -> np.ndarray:
+        """Entries whose unit has no taken slot; ``whole``: and every slot of it written and
+        readable (a unit another entry is pointed at). A no-op per token (the unit is the
+        entry's own slot, which ``_pick`` checks)."""
+        u = self.entries().unit_slots
+        written = u > 0
+        free = ~(self.blocked[np.maximum(u, 0)] & written).any(axis=1)
+        return free & written.all(axis=1) if whole else free
+
+    def _evictable(self) -> np.ndarray:
+        """Entries of cached blocks live requests map whose subtree holds no taken slot (an
+        earlier fault's sweep sites would vanish with it)."""
+        s, e = self.s, self.entries()
+        ok = np.zeros(e.slot.shape, dtype=bool)
+        seen = {}
+        for i in np.flatnonzero(e.masks["mapped-cached"]).tolist():
+            block = self._mapped_block(i)
+            if id(block) not in seen:
+                cached = s.cache.blocks.get(block.key) is block
+                gone = self._subtree_slots(block) if cached else None
+                seen[id(block)] = cached and not self.blocked[gone[gone > 0]].any()
+            ok[i] = seen[id(block)]
+        return ok
+
+    def _mapped_block(self, i: int):
+        e = self.entries()
+        return self.s.running[int(e.batch[i])].blocks[int(e.position[i]) // self.bs]
+
+    def _subtree_slots(self, block) -> np.ndarray:
+        below = [b.slots for b in self.s.cache.values() if _descends(b, block)]
+        return self.s.allocator.canary_slots(np.concatenate(below).astype(np.int64))
 
     def _apply(self, kind: str, target: str, i: int) -> Fault:
         return getattr(self, "_apply_" + kind.replace("-", "_"))(target, i)
@@ -405,6 +272,23 @@ class FaultInjector:
                     slot=int(reads), bits=site_bits(kind, entry, int(e.position[i]),
                                                    int(e.prev[i]), real_kv_visible))
 
+    def _unit_sites(self, kind: str, i: int, reads) -> tuple:
+        """The entries of ``i``'s unit, each now reading ``reads`` (a slot, or the canary
+        slots of a unit by offset; no site where that is unwritten or a freed SWA slot)."""
+        e = self.entries()
+        reads = np.broadcast_to(reads, (self.bs,))
+        least = 0 if kind == "slot-zero" else 1
+        return tuple(self._site(kind, u, int(reads[e.position[u] % self.bs]))
+                     for u in self._unit(i) if reads[e.position[u] % self.bs] >= least)
+
+    def _unit(self, i: int) -> list:
+        e = self.entries()
+        return [i] if self.bs == 1 else np.flatnonzero(e.unit == e.unit[i]).tolist()
+
+    def _unit_taken(self, i: int) -> list:
+        u = self.entries().unit_slots[i]
+        return [int(x) for x in u if x > 0]
+
     def _fault(self, kind, target, i, sites, *, detail=-1, note="") -> Fault:
         e = self.entries()
         expected = 0
@@ -415,25 +299,28 @@ class FaultInjector:
                      visible=expected != 0, detail=detail, note=note, target=target,
                      sites=sites)
 
-    def _fields(self):
-        """The canary records' int64 fields: token, position, chain link, real-KV hash."""
-        return self.s.canary.view("<i8")[:, :4]
-
     def _set_table(self, i: int, full_slot: int) -> None:
-        """Point entry ``i``'s table slot (a request row, or a cached block) at ``full_slot``."""
-        e = self.entries()
+        """Point entry ``i``'s table entry (a request row's, or a cached block's) at
+        ``full_slot``: on a paged engine the block holding it."""
+        e, bs = self.entries(), self.bs
         if e.entry[i] == 0:
-            self.s.table[e.row[i], e.position[i]] = full_slot
+            self.s.scheduler.table.array[e.row[i], e.position[i] // bs] = full_slot // bs
         else:
-            block, k = self._sweep.owner(i - int(np.count_nonzero(e.entry == 0)))
-            block.slots[k] = full_slot
+            block, k = self._owner(i)
+            block.slots[k // bs * bs:(k // bs + 1) * bs] = (
+                full_slot // bs * bs + np.arange(bs)) if full_slot else 0
 
     def _table_slot(self, i: int) -> int:
         e = self.entries()
         if e.entry[i] == 0:
-            return int(self.s.table[e.row[i], e.position[i]])
-        block, k = self._sweep.owner(i - int(np.count_nonzero(e.entry == 0)))
+            return int(self.s.scheduler.table.slots(e.row[i], e.position[i],
+                                                    e.position[i] + 1)[0])
+        block, k = self._owner(i)
         return int(block.slots[k])
+
+    def _owner(self, i: int) -> tuple:
+        """``(cached block, index in it)`` of sweep entry ``i``."""
+        return self._sweep.owner(i - int(np.count_nonzero(self.entries().entry == 0)))
 
     # ------------------------------------------------------------------ record faults
 
@@ -446,22 +333,21 @@ class FaultInjector:
                            detail=detail, note=note)
 
     def _apply_token(self, target, i):
-        return self._record_fault("token", target, i,
-                                  lambda slot: self._fields().__setitem__(
-                                      (slot, 0), self._fields()[slot, 0] + 1))
+        return self._record_fault("token", target, i, lambda slot: self._bump(slot, 0, 1))
 
     def _apply_position(self, target, i):
-        return self._record_fault("position", target, i,
-                                  lambda slot: self._fields().__setitem__(
-                                      (slot, 1), self._fields()[slot, 1] + 1))
+        return self._record_fault("position", target, i, lambda slot: self._bump(slot, 1, 1))
 
     def _apply_prev_hash(self, target, i):
         bit = int(self.s.rng.integers(64))
-        slot = int(self.entries().slot[i])
-        self._fields()[slot, 2] ^= np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
-        self._take(slot)
-        return self._fault("prev-hash", target, i, self._record_sites("prev-hash", slot),
-                           detail=bit)
+        flip = np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
+        return self._record_fault("prev-hash", target, i,
+                                  lambda slot: self._bump(slot, 2, flip, xor=True), detail=bit)
+
+    def _bump(self, slot: int, field: int, by, xor: bool = False) -> None:
+        """Change a record's int64 field (token, position, chain link, real-KV hash)."""
+        fields = self.s.canary.view("<i8")[:, :4]
+        fields[slot, field] = fields[slot, field] ^ by if xor else fields[slot, field] + by
 
     def _apply_real_kv_byte(self, target, i):
         s = self.s
@@ -474,16 +360,8 @@ class FaultInjector:
         view[slot // c.page_size, slot % c.page_size, offset] ^= np.uint8(
             1 << int(rng.integers(8)))
         self.real_kv_faults += 1
-        mode = c.hash_mode
-        visible = mode == RealKvHashMode.ALL or (
-            mode == RealKvHashMode.PARTIAL and offset < REAL_KV_PARTIAL_READ_BYTES)
-        if mode == RealKvHashMode.NONE:
-            note = "not visible in none mode (real KV is not hashed)"
-        elif not visible:
-            note = (f"not visible in partial mode (byte {offset} is outside the "
-                    f"{REAL_KV_PARTIAL_READ_BYTES} bytes partial hashes)")
-        else:
-            note = f"byte {offset} of source {source}"
+        visible = real_kv_byte_visible(c.hash_mode, offset)
+        note = real_kv_byte_note(c.hash_mode, offset) + f" (source {source})"
         self._take(slot)
         return self._fault("real-kv-byte", target, i,
                            self._record_sites("real-kv-byte", slot, visible),
@@ -494,31 +372,58 @@ class FaultInjector:
         slot = int(self.entries().slot[i])
         note = ("slot never written (first occupant)" if s.pool.write_count[slot] == 1 else
                 "slot had an earlier occupant; left zeroed")
+        return self._record_fault("lost-write", target, i, self._zero, note=note)
+
+    def _zero(self, slot: int) -> None:
+        s, ps = self.s, self.s.config.page_size
         s.canary[slot] = 0
-        ps = s.config.page_size
         for tensor in s.sources:
             s.pool.slot_bytes(tensor)[slot // ps, slot % ps] = 0
-        self._take(slot)
-        return self._fault("lost-write", target, i, self._record_sites("lost-write", slot),
-                           note=note)
 
     def _apply_stale_reuse(self, target, i):
-        s = self.s
-        slot = int(self.entries().slot[i])
-        p = int(self.entries().position[i])
-        new_position = p + 1 + int(s.rng.integers(1, 64))
-        token = int(s.workload.tokens(1)[0])
-        s.pool.write_kv(np.array([slot], dtype=np.int64), np.array([token], dtype=np.int64),
-                        np.array([new_position], dtype=np.int64))
-        s.pool.write_count[slot] += 1
-        self._rewrites.append((slot, token, new_position))
-        self._take(slot)
-        return self._fault("stale-reuse", target, i, self._record_sites("stale-reuse", slot),
+        """The slot (paged: every written slot of the block) reallocated and rewritten as
+        another sequence's, from a position past the unit's end."""
+        s, e = self.s, self.entries()
+        high = (int(e.position[i]) // self.bs + 1) * self.bs
+        new_position = high + int(s.rng.integers(1, 64))
+        slots = self._unit_taken(i)
+        self._rewrite(slots, new_position)
+        return self._fault("stale-reuse", target, i,
+                           sum((self._record_sites("stale-reuse", x) for x in slots), ()),
                            detail=new_position,
                            note=f"rewritten as position {new_position} of another sequence")
 
+    def _rewrite(self, slots: list, first_position: int) -> None:
+        s = self.s
+        tokens = s.workload.tokens(len(slots)).astype(np.int64)
+        positions = first_position + np.arange(len(slots), dtype=np.int64)
+        index = np.array(slots, dtype=np.int64)
+        s.pool.write_kv(index, tokens, positions)
+        s.pool.write_count[index] += 1
+        self._rewrites += zip(slots, tokens.tolist(), positions.tolist())
+        self._take(*slots)
+
+    def _apply_evicted_block(self, target, i):
+        """A cached block that live requests map evicted (as if its reference count had
+        dropped to 0) with the cached blocks below it, reallocated and rewritten: every live
+        entry that maps it reads another sequence's records; its sweep entries are gone."""
+        s = self.s
+        block = self._mapped_block(i)
+        gone = self._subtree_slots(block)
+        slots = self._unit_taken(i)
+        s.cache.drop_subtree(block)
+        new_position = (block.depth + 1) * self.bs + int(s.rng.integers(1, 64))
+        self._rewrite(slots, new_position)
+        self._take(*gone[gone > 0].tolist())
+        sites = tuple(site for x in slots for site in self._record_sites("evicted-block", x)
+                      if site.entry == REQUEST)
+        return self._fault("evicted-block", target, i, sites, detail=new_position,
+                           note=f"cached block at positions {block.depth * self.bs}.."
+                                f"{(block.depth + 1) * self.bs - 1} evicted while live "
+                                f"requests map it; rewritten from position {new_position}")
+
     def _write_rewrites(self) -> None:
-        """Write the pending stale-reuse records in one launch: each its own one-token
+        """Write the pending rewritten records in one launch: each its own one-token
         sequence (a chain head), as if written one by one. No other fault touches their
         slots, so writing them at the end of an ``inject`` call changes nothing else."""
         if not self._rewrites:
@@ -536,19 +441,27 @@ class FaultInjector:
 
     def _apply_alias(self, target, i):
         e = self.entries()
-        other = self._pick("interior", (e.batch != e.batch[i]) & (e.position != e.position[i])
-                           & (e.slot != e.slot[i]))
+        where = (e.batch != e.batch[i]) & (e.position != e.position[i]) & (e.slot != e.slot[i])
+        if self.bs > 1:     # another request's whole block, at other positions
+            where &= (e.position // self.bs != e.position[i] // self.bs) & \
+                (e.position % self.bs == e.position[i] % self.bs) & self._free_units(whole=True)
+        other = self._pick("interior", where)
         self._set_table(i, self._table_slot(other))
         into = int(e.slot[other])
-        self._take(int(e.slot[i]), into)
-        return self._fault("alias", target, i, (self._site("alias", i, into),), detail=into,
+        self._take(*self._unit_taken(i), *self._unit_taken(other))
+        return self._fault("alias", target, i,
+                           self._unit_sites("alias", i, e.unit_slots[other]), detail=into,
                            note=f"now maps slot {into} (request row {int(e.row[other])}, "
                                 f"position {int(e.position[other])})")
 
     def _apply_swap(self, target, i):
         e = self.entries()
-        same = (e.entry == e.entry[i]) & (np.abs(e.position - e.position[i]) > 1) \
+        same = (e.entry == e.entry[i]) & (np.abs(e.position // self.bs
+                                                 - e.position[i] // self.bs) > 1) \
             & (e.slot != e.slot[i])
+        if self.bs > 1:
+            same &= (e.position % self.bs == e.position[i] % self.bs) & \
+                self._free_units(whole=True)
         if e.entry[i] == 0:
             j = self._pick("interior", same & (e.batch == e.batch[i]))
         else:
@@ -556,16 +469,25 @@ class FaultInjector:
         a, b = self._table_slot(i), self._table_slot(j)
         self._set_table(i, b)
         self._set_table(j, a)
-        self._take(int(e.slot[i]), int(e.slot[j]))
-        sites = (self._site("swap", i, int(e.slot[j])), self._site("swap", j, int(e.slot[i])))
+        self._take(*self._unit_taken(i), *self._unit_taken(j))
+        sites = (self._unit_sites("swap", i, e.unit_slots[j])
+                 + self._unit_sites("swap", j, e.unit_slots[i]))
         return self._fault("swap", target, i, sites, detail=int(e.position[j]),
                            note=f"exchanged with position {int(e.position[j])}")
 
     def _apply_slot_zero(self, target, i):
         self._set_table(i, 0)
-        self._take(int(self.entries().slot[i]))
-        return self._fault("slot-zero", target, i, (self._site("slot-zero", i, 0),),
+        self._take(*self._unit_taken(i))
+        return self._fault("slot-zero", target, i, self._unit_sites("slot-zero", i, 0),
                            note="seen only by kvcanary's SLOT_ZERO_IN_PREFIX extension")
+
+
+def _descends(block, ancestor) -> bool:
+    while block is not None:
+        if block is ancestor:
+            return True
+        block = block.parent
+    return False
 
 
 class _NoTarget(Exception):

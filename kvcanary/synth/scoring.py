@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
-from .faults import DEFAULT_TARGET, FAULT_KINDS, REQUEST, SWEEP, Fault, Site
+from ..consts import FailReason, RealKvHashMode
+from .fault_kinds import (DEFAULT_TARGET, FAULT_KINDS, REQUEST, SWEEP, Fault, Site,
+                          real_kv_byte_note)
 
 _SLOT_ZERO = int(FailReason.SLOT_ZERO_IN_PREFIX)
 
@@ -47,7 +48,11 @@ def faults_from_dump(dump) -> list:
                                                 get("expected_bits"), get("visible"),
                                                 get("detail"))]
     if "synth_fault_site_count" not in extra:
-        return faults   # a paged or older dump: scored at its target entry alone
+        # An older dump: each fault scored at its target entry (any slot), with its bits.
+        for fault in faults:
+            fault.sites = (Site(entry=REQUEST, request_row=fault.request_row,
+                                position=fault.position, slot=-1, bits=fault.expected_bits),)
+        return faults
     targets = str(extra["synth_fault_targets"]).split(",")
     site_rows = list(zip(get("site_sweep"), get("site_request_row"), get("site_position"),
                          get("site_slot"), get("site_bits")))
@@ -64,12 +69,7 @@ def faults_from_dump(dump) -> list:
 def fault_note(fault: Fault, mode: RealKvHashMode, compat: bool = False) -> str:
     """Why a fault is or is not visible, in words."""
     if fault.kind == "real-kv-byte":
-        if mode == RealKvHashMode.NONE:
-            return "not visible in none mode (real KV bytes are not hashed)"
-        if mode == RealKvHashMode.PARTIAL and fault.detail >= REAL_KV_PARTIAL_READ_BYTES:
-            return (f"not visible in partial mode (byte {fault.detail} is outside the "
-                    f"{REAL_KV_PARTIAL_READ_BYTES} bytes partial mode hashes)")
-        return f"byte {fault.detail} of the slot's real KV"
+        return real_kv_byte_note(mode, fault.detail)
     if fault.kind == "slot-zero":
         if compat:
             return "not visible with --compat (upstream skips slot 0 as unfilled)"
@@ -112,9 +112,6 @@ def score(faults, result) -> list:
     fired = findings_by_entry(result)
     outcomes = []
     for fault in faults:
-        if not fault.sites:
-            outcomes.append(_score_at_target(fault, result, mode))
-            continue
         sites = [(site, site.bits & ~(_SLOT_ZERO if result.compat else 0))
                  for site in fault.sites]
         must = [(site, bits) for site, bits in sites if bits]
@@ -129,18 +126,3 @@ def score(faults, result) -> list:
             note=fault_note(fault, mode, result.compat), target=fault.target, sites=len(must),
             request_rows=len({site.request_row for site, _ in must if site.entry == REQUEST})))
     return outcomes
-
-
-def _score_at_target(fault: Fault, result, mode: RealKvHashMode) -> FaultOutcome:
-    """A fault without sites (a paged run's, or an older dump's): scored at its target entry,
-    and the exchanged entry of a swap."""
-    visible = fault.visible and not (fault.kind == "slot-zero" and result.compat)
-    fired = 0
-    for position in [fault.position] + ([fault.detail] if fault.kind == "swap" else []):
-        for finding in result.findings_at(fault.request_row, position):
-            fired |= finding.violation.fail_reason_bits
-    detected = (fired & fault.expected_bits) == fault.expected_bits and fired != 0
-    return FaultOutcome(kind=fault.kind, request_row=fault.request_row, position=fault.position,
-                        slot=fault.slot, expected_bits=fault.expected_bits, visible=visible,
-                        detected=detected, fired_bits=fired,
-                        note=fault_note(fault, mode, result.compat))
