@@ -46,6 +46,7 @@ from .consts import (
 from .dump import Dump, load
 from .reference.plan import window_start
 from .reference.ring import violation_rows
+from .reference.verify import entry_rows
 from .types import (CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan,
                     check_source_bound, check_source_count, to_host)
 from .violations import Violation, reason_labels, tag_name
@@ -539,23 +540,17 @@ def _match_outside(rows: np.ndarray, launch: _Launch) -> np.ndarray:
 
 
 def _match_shared(rows: np.ndarray, launch: _Launch, launcher: _Launcher) -> np.ndarray:
-    """Rows on slots several entries use: the candidates are re-checked on the host reference
-    in batches where every slot occurs once, so each predicted row names its entry."""
+    """Rows on slots several entries use: the candidates' rows are predicted on the host
+    reference in one pass (an entry's row depends on the entry alone, so each predicted row
+    names its entry) and matched by content."""
     e = launch.entries
     candidates = np.flatnonzero(np.isin(e.slots, np.unique(rows[:, 1])))
-    rank = _occurrence(e.slots[candidates], candidates)
-    predicted_rows, predicted_entries = [], []
-    for k in range(int(rank.max()) + 1):
-        batch = candidates[rank == k]
-        subset = _Entries(*(a[batch].copy() for a in (e.slots, e.prevs, e.positions, e.tokens)))
-        context = launcher.context(launch.tag, batch.size, host=True)
-        api.verify(context, subset.plan(np.asarray), check_expected_token=launch.check_token,
-                   backend="numpy")
-        got = context.violation_log.rows()
-        by_slot = np.argsort(subset.slots, kind="stable")
-        predicted_rows.append(got)
-        predicted_entries.append(batch[by_slot][np.searchsorted(subset.slots[by_slot], got[:, 1])])
-    return _match_rows(rows, np.concatenate(predicted_rows), np.concatenate(predicted_entries))
+    tokens = e.tokens[candidates] if launch.check_token else np.full(
+        candidates.size, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64)
+    context = launcher.context(launch.tag, 1, host=True)
+    failed, predicted = entry_rows(context, e.slots[candidates], e.positions[candidates],
+                                   e.prevs[candidates], tokens)
+    return _match_rows(rows, predicted, candidates[failed])
 
 
 def _occurrence(groups: np.ndarray, order_key: np.ndarray) -> np.ndarray:
@@ -568,6 +563,18 @@ def _occurrence(groups: np.ndarray, order_key: np.ndarray) -> np.ndarray:
     return rank
 
 
+def _row_groups(rows: np.ndarray) -> np.ndarray:
+    """A group id per row, equal for identical rows (``np.unique(axis=0)`` sorts the rows as
+    opaque bytes, many times slower than a lexsort of the columns)."""
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    starts = np.ones(order.size, dtype=np.int64)
+    starts[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    groups = np.empty(order.size, dtype=np.int64)
+    groups[order] = np.cumsum(starts) - 1
+    return groups
+
+
 def _match_rows(rows: np.ndarray, predicted: np.ndarray, entries: np.ndarray) -> np.ndarray:
     """For each ring row, the entry of an identical predicted row: the k-th copy of a row
     content (ring order) takes the k-th entry predicting it (entry order); -1 if none."""
@@ -575,8 +582,7 @@ def _match_rows(rows: np.ndarray, predicted: np.ndarray, entries: np.ndarray) ->
     if predicted.shape[0] == 0:
         return result
     n = rows.shape[0]
-    _, groups = np.unique(np.concatenate([rows, predicted]), axis=0, return_inverse=True)
-    groups = groups.reshape(-1).astype(np.int64)
+    groups = _row_groups(np.concatenate([rows, predicted]))
     span = max(n, predicted.shape[0]) + 1
     row_keys = groups[:n] * span + _occurrence(groups[:n], np.arange(n))
     predicted_keys = groups[n:] * span + _occurrence(groups[n:], entries)
