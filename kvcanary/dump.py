@@ -86,7 +86,10 @@ class Dump:
 
     @property
     def table_positions(self) -> int:
-        """Positions a row of the slot table covers."""
+        """Positions a row of the slot table covers (0 for a table without rows: its width
+        is a claim no entry backs)."""
+        if self.slot_table.shape[0] == 0:
+            return 0
         return int(self.slot_table.shape[1]) * self.block_size
 
     def plan_table(self, convert=lambda array: array) -> dict:
@@ -259,6 +262,9 @@ MAX_NPZ_EXPANSION = 256
 MAX_NPZ_EXPANSION_FLOOR = 256 << 20
 _DEFLATE_MAX_RATIO = 1032
 MAX_SAFETENSORS_HEADER = 100_000_000
+# Tokens per block of a paged dump: engines use up to a few hundred; a larger value would
+# let a few bytes of block table claim millions of positions to audit.
+MAX_BLOCK_SIZE = 1 << 16
 _NPY_MAGIC = b"\x93NUMPY"
 
 
@@ -647,6 +653,8 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
         covered = (f"req_to_token's width {width}" if block_table is None else
                    f"the {width} positions block_table covers ({block_table.shape[1]} blocks of "
                    f"{block_size})")
+        if dump.slot_table.shape[0] == 0:
+            covered += " (the table has no rows, so it covers none)"
         c.fail("seq_lens", f"seq_lens[{index}] = {int(seq_lens[index])} is more than twice "
                            f"{covered}: a corrupt length (positions past the "
                            "table are reported as findings up to twice its width)")
@@ -695,6 +703,8 @@ def _load_slot_table(c: _Checker) -> tuple:
     block_size = c.scalar_int("block_size", c.get("block_size", required=True))
     if block_size < 1:
         c.fail("block_size", f"must be >= 1, got {block_size}")
+    if block_size > MAX_BLOCK_SIZE:
+        c.fail("block_size", f"must be at most {MAX_BLOCK_SIZE} tokens per block, got {block_size}")
     return None, table, block_size
 
 

@@ -5,8 +5,8 @@ address-space limit so a regression fails instead of taking the machine."""
 
 from __future__ import annotations
 
+import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvcanary.audit import audit
-from kvcanary.dump import VERSION_KEY, save
+from kvcanary.dump import MAX_BLOCK_SIZE, VERSION_KEY, DumpError, load, save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,3 +71,82 @@ def test_entries_sharing_one_slot_audit_about_as_fast_as_distinct_slots(tmp_path
     assert result.unattributed == 0 and len(result.findings) == 1024
     # 2x is the goal; the margin absorbs a loaded machine (before the fix: ~300x)
     assert took <= 4 * baseline + 0.1, (took, baseline)
+
+
+# ------------------------------------------------------------ item 2: derived sizes
+
+
+def raw_npz(path, **values) -> str:
+    """An .npz written without save()'s checks: what a hostile or broken producer makes."""
+    np.savez(path, **{VERSION_KEY: np.array(1, np.int64)}, **values)
+    return str(path)
+
+
+def test_a_table_without_rows_backs_no_length(tmp_path):
+    """(0, 2**40) is a few bytes claiming a width of 2**40 positions."""
+    path = raw_npz(tmp_path / "wide.npz", canary=np.zeros((64, 32), np.uint8),
+                   req_to_token=np.zeros((0, 1 << 40), np.int32),
+                   req_pool_indices=np.array([1], np.int64),
+                   seq_lens=np.array([1 << 20], np.int64))
+    with pytest.raises(DumpError, match=r"key seq_lens: .*the table has no rows"):
+        load(path)
+
+
+def test_block_size_is_capped(tmp_path):
+    path = raw_npz(tmp_path / "paged.npz", canary=np.zeros((64, 32), np.uint8),
+                   block_table=np.ones((4, 1), np.int32), block_size=np.array(1 << 20),
+                   req_pool_indices=np.array([1], np.int64),
+                   seq_lens=np.array([1 << 21], np.int64))
+    with pytest.raises(DumpError, match=rf"key block_size: must be at most {MAX_BLOCK_SIZE}"):
+        load(path)
+
+
+def audit_memory(path, limit=3 << 30) -> dict:
+    """Peak RSS growth (bytes) of auditing ``path`` in a fresh interpreter under an
+    address-space limit, measured from after the load, and the audit's totals."""
+    script = textwrap.dedent(f"""
+        import json, resource, sys
+        resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+        from kvcanary.audit import audit
+        from kvcanary.dump import load
+        dump = load({str(path)!r})
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result = audit(dump, backend="numpy")
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps({{"growth": (after - before) * 1024,
+                          "violations": result.total_violations,
+                          "entries": result.entries_checked}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+# The working set of one launch of CHUNK_ENTRIES entries (plan, ring, attribution).
+LAUNCH_BYTES = 96 << 20
+
+
+def test_a_long_request_is_audited_in_pieces(tmp_path):
+    """One request of 2**20 positions, twice its table's width (the most a dump may claim):
+    memory stays within the table's bytes plus one launch, not one plan of every entry."""
+    width = 1 << 19
+    path = save(tmp_path / "long.npz", **one_request(np.ones((2, width), np.int32), 2 * width, 64))
+    got = audit_memory(path)
+    assert got["entries"] == got["violations"] == 2 * width
+    assert got["growth"] < 2 * os.path.getsize(path) + LAUNCH_BYTES, got
+
+
+def test_a_batch_of_padding_rows_costs_no_more_than_its_bytes(tmp_path):
+    """Millions of padding rows (row 0) and one sweep entry: the scan for live requests
+    stays within the batch's own bytes."""
+    rows = 1 << 22
+    path = save(tmp_path / "padding", canary=np.zeros((64, 32), np.uint8),
+                req_to_token=np.ones((2, 1), np.int32),
+                req_pool_indices=np.zeros(rows, np.int64), seq_lens=np.ones(rows, np.int64),
+                sweep_slot_indices=np.ones(1, np.int64),
+                sweep_prev_slot_indices=np.full(1, -1, np.int64),
+                sweep_positions=np.zeros(1, np.int64))
+    got = audit_memory(path)
+    assert got["entries"] == 1
+    assert got["growth"] < 16 * rows, got     # the two batch arrays hold 16 bytes a row
