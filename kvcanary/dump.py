@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 
@@ -404,6 +405,7 @@ def _read_dir(path: str) -> dict:
         raw_key, file = name[: -len(".npy")], os.path.join(path, name)
         key, shown = _shown(raw_key), os.path.join(path, _shown(name))
         try:
+            _require_regular(file, shown, key)
             with open(file, "rb") as handle:
                 shape, dtype, header, nbytes = _npy_layout(handle)
             held = os.path.getsize(file) - header
@@ -481,6 +483,24 @@ def _raw_tensor(path: str, header: dict, key: str) -> np.ndarray:
     return data.reshape(shape[:-1] + [nbytes // rows])
 
 
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _require_regular(path: str, shown: str, key: str | None = None) -> None:
+    """Refuse anything but a regular file before opening it: reading a FIFO or a device
+    would block forever or never end."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        where = f"{shown}: key {key}" if key is not None else shown
+        raise DumpError(f"{where}: is {_file_kind(mode)}, not a regular file; a dump holds "
+                        "regular files only")
+
+
 def read_raw(path) -> tuple[str, dict]:
     """``(flavour, {key: array})`` without validation."""
     path = str(path)
@@ -488,6 +508,7 @@ def read_raw(path) -> tuple[str, dict]:
         raise DumpError(f"{path}: no such file or directory")
     if os.path.isdir(path):
         return "dir", _read_dir(path)
+    _require_regular(path, _shown(path))
     flavour = flavour_of(path)
     if flavour == "safetensors":
         return flavour, _read_safetensors(path)

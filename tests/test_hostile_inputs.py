@@ -150,3 +150,33 @@ def test_a_batch_of_padding_rows_costs_no_more_than_its_bytes(tmp_path):
     got = audit_memory(path)
     assert got["entries"] == 1
     assert got["growth"] < 16 * rows, got     # the two batch arrays hold 16 bytes a row
+
+
+# ------------------------------------------------------------ item 4: FIFOs
+
+
+def load_in_subprocess(path, timeout=30) -> str:
+    """The error ``load`` raises, from a child process (a hang fails the test, not the run)."""
+    script = ("import sys\nfrom kvcanary.dump import load, DumpError\n"
+              f"try:\n    load({str(path)!r})\nexcept DumpError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("name", ["seq_lens.npy", "ignored_extra.npy"])
+def test_a_fifo_inside_a_directory_dump_is_refused(tmp_path, name):
+    path = shared_slot_dump(tmp_path / "dump", 4)
+    fifo = os.path.join(path, name)
+    if os.path.exists(fifo):
+        os.remove(fifo)
+    os.mkfifo(fifo)
+    message = load_in_subprocess(path)
+    assert f"key {name[:-4]}: is a FIFO, not a regular file" in message, message
+
+
+def test_a_fifo_named_like_a_dump_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "p.npz")
+    message = load_in_subprocess(tmp_path / "p.npz")
+    assert message == f"{tmp_path / 'p.npz'}: is a FIFO, not a regular file; a dump holds " \
+                      "regular files only", message
