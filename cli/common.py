@@ -4,6 +4,8 @@ one line on stderr, exit 2, no traceback) and progress on stderr when it is a te
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import sys
 import time
 
@@ -40,6 +42,29 @@ def user_error(exc: BaseException) -> str | None:
     return None
 
 
+# What writing to a full disk, past a file-size limit or into a closed pipe raises.
+OUTPUT_ERRNOS = (errno.EPIPE, errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO)
+
+
+def output_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is standard output failing: a write error that names no file (the
+    library names the file of every dump or report it writes)."""
+    return isinstance(exc, OSError) and exc.filename is None and exc.errno in OUTPUT_ERRNOS
+
+
+def end_output(exc: OSError) -> None:
+    """Stop after standard output failed: quietly for a closed pipe, else one line naming
+    it; exit 2 either way. What stdout still buffers goes nowhere, so the interpreter's
+    final flush cannot fail again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    if isinstance(exc, BrokenPipeError):
+        sys.exit(EXIT_ERROR)
+    fail(f"standard output: {exc.strerror or exc}")
+
+
 def fail(message: str) -> None:
     click.echo(f"{ERROR_PREFIX}{message}", err=True)
     sys.exit(EXIT_ERROR)
@@ -51,6 +76,8 @@ def error_boundary():
     try:
         yield
     except Exception as exc:
+        if output_failed(exc):
+            end_output(exc)
         message = user_error(exc)
         if message is None:
             raise

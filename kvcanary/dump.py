@@ -183,6 +183,19 @@ def save(path, **arrays) -> str:
         _require_safetensors(path)
     # Written under a temporary name and renamed when complete: an interrupt or an error
     # leaves the earlier dump at ``path`` (or nothing), never a part of the new one.
+    try:
+        _write(path, flavour, values)
+    except DumpError:
+        raise
+    except Exception as exc:   # a full disk, a file-size limit, an unwritable folder
+        if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+            raise
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _reason(exc)
+        raise DumpError(f"{path}: cannot write the dump ({reason})") from None
+    return path
+
+
+def _write(path: str, flavour: str, values: dict) -> None:
     if flavour == "npz":
         with replacing(path) as temporary, open(temporary, "wb") as handle:
             np.savez(handle, **values)
@@ -204,7 +217,6 @@ def save(path, **arrays) -> str:
                 tensors[key] = np.ascontiguousarray(array)
         with replacing(path) as temporary:
             safetensors.numpy.save_file(tensors, temporary, metadata=metadata or None)
-    return path
 
 
 def _check_replaceable_directory(path: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -180,3 +181,43 @@ def test_a_fifo_named_like_a_dump_is_refused(tmp_path):
     message = load_in_subprocess(tmp_path / "p.npz")
     assert message == f"{tmp_path / 'p.npz'}: is a FIFO, not a regular file; a dump holds " \
                       "regular files only", message
+
+
+# ------------------------------------------------------------ item 3: output failures
+
+CLI = [sys.executable, "-c", "from kvcanary.cli import main; main()"]
+
+
+def cli(*args, stdout=subprocess.PIPE, preexec_fn=None, timeout=120):
+    return subprocess.run([*CLI, *map(str, args)], stdout=stdout, stderr=subprocess.PIPE,
+                          text=True, timeout=timeout, cwd=ROOT, preexec_fn=preexec_fn)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("command", ["audit", "info"])
+def test_a_full_standard_output_is_one_line_and_exit_2(tmp_path, command):
+    args = [command] if command == "info" else [command, shared_slot_dump(tmp_path / "d.npz", 8)]
+    with open("/dev/full", "w") as full:
+        done = cli(*args, stdout=full)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "kvcanary: error: standard output: No space left on device\n"
+
+
+def test_a_closed_pipe_ends_quietly_with_exit_2(tmp_path):
+    path = shared_slot_dump(tmp_path / "d.npz", 4096)
+    reader = subprocess.Popen([*CLI, "audit", "--format", "json", "--max-findings", "0", path],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    reader.stdout.read(10)
+    reader.stdout.close()
+    _, err = reader.communicate(timeout=120)
+    assert reader.returncode == 2 and err == b"", err
+
+
+def test_synth_past_a_file_size_limit_names_the_dump(tmp_path):
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+    out = tmp_path / "big.npz"
+    done = cli("synth", out, "--requests", "8", preexec_fn=limit)
+    assert done.returncode == 2
+    assert done.stderr == f"kvcanary: error: {out}: cannot write the dump (File too large)\n"
+    assert sorted(os.listdir(tmp_path)) == []
