@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ DUMP_VERSION = 1
 VERSION_KEY = "kvcanary_dump_version"
 STRING_KEYS = ("launch_tag", "real_kv_hash_mode")
 SYNTH_PREFIX = "synth_"
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_]+")
 
 # safetensors dtype names numpy can represent; others are read as raw bytes.
 _SAFETENSORS_NUMPY = {
@@ -171,6 +173,9 @@ def save(path, **arrays) -> str:
     flavour = flavour_of(path)
     values = {VERSION_KEY: np.array(DUMP_VERSION, dtype=np.int64)}
     for key, value in arrays.items():
+        if not _PLAIN_KEY.fullmatch(key):
+            raise DumpError(f"{path}: key {_shown(key)!r}: a key is a plain name (letters, "
+                            "digits, _): it names a file inside a directory dump")
         if value is None:
             continue
         array = _host_array(value, key)

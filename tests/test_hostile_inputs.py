@@ -221,3 +221,14 @@ def test_synth_past_a_file_size_limit_names_the_dump(tmp_path):
     assert done.returncode == 2
     assert done.stderr == f"kvcanary: error: {out}: cannot write the dump (File too large)\n"
     assert sorted(os.listdir(tmp_path)) == []
+
+
+# ------------------------------------------------------------ item 13: key names
+
+
+@pytest.mark.parametrize("key", ["../../escaped", "a/b", "", ".hidden", "x.npy"])
+def test_save_refuses_a_key_that_is_not_a_plain_name(tmp_path, key):
+    arrays = one_request(np.ones((2, 4), np.int32), 4, 64)
+    with pytest.raises(DumpError, match="a key is a plain name"):
+        save(tmp_path / "out" / "dump", **arrays, **{key: np.zeros(1)})
+    assert not os.path.exists(tmp_path / "escaped") and not os.path.exists(tmp_path / "out")
