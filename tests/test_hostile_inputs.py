@@ -232,3 +232,18 @@ def test_save_refuses_a_key_that_is_not_a_plain_name(tmp_path, key):
     with pytest.raises(DumpError, match="a key is a plain name"):
         save(tmp_path / "out" / "dump", **arrays, **{key: np.zeros(1)})
     assert not os.path.exists(tmp_path / "escaped") and not os.path.exists(tmp_path / "out")
+
+
+# ------------------------------------------------------------ item 18: demo --keep
+
+
+def test_demo_keep_does_not_overwrite_an_earlier_dump(tmp_path):
+    from click.testing import CliRunner
+
+    from kvcanary.cli import main
+
+    (tmp_path / "clean.npz").write_bytes(b"mine")
+    result = CliRunner().invoke(main, ["demo", "--backend", "numpy", "--keep", str(tmp_path)])
+    assert result.exit_code == 2
+    assert f"--keep {tmp_path}: clean.npz exists there; pass --force" in result.output
+    assert (tmp_path / "clean.npz").read_bytes() == b"mine"
