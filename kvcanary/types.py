@@ -18,6 +18,7 @@ from .consts import (
     REAL_KV_ALIGN_BYTES,
     REAL_KV_PARTIAL_READ_BYTES,
     VIOLATION_FIELDS,
+    VIOLATION_WRITE_INDEX_MAX,
     RealKvHashMode,
 )
 
@@ -361,6 +362,12 @@ class ViolationLog:
     @property
     def is_errored(self) -> bool:
         return self.total > 0
+
+    @property
+    def saturated(self) -> bool:
+        """The index reached ``2**31 - 1`` and stopped there (it never wraps to negative):
+        the total is a lower bound, and later violations store no row."""
+        return self.total == VIOLATION_WRITE_INDEX_MAX
 
     def clear(self) -> None:
         self.ring[...] = 0
