@@ -61,6 +61,9 @@ class RealKvSource:
     own, so rows may be wider than the slots they pack. Slot ``s`` reads
     ``(s // page_size) * row_stride + (s % page_size) * num_bytes_per_token`` onwards.
 
+    A source is immutable once built (setting a field raises ``AttributeError``): its layout
+    is checked against the tensor once, here.
+
     A copy (``copy.deepcopy``, pickle) is a source over a copy of the producer's tensor, so an
     object graph copied whole keeps the producer's tensor and its source one buffer.
     """
@@ -72,6 +75,19 @@ class RealKvSource:
         self.page_size = int(page_size)
         self.num_bytes_per_token = int(num_bytes_per_token)
         self.read_bytes = int(read_bytes)
+        self._frozen = True
+
+    def __setattr__(self, name, value):
+        # Immutable once built: the layout was checked against the tensor here, and a launch
+        # reads exactly the bytes that layout names (a larger read_bytes set later made the
+        # kernels read past the tensor while the reference clamped).
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"kv-canary: RealKvSource is immutable (cannot set {name}); "
+                                 "build a new source for another layout")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        raise AttributeError(f"kv-canary: RealKvSource is immutable (cannot delete {name})")
 
     def __reduce__(self):
         # Copying the byte view alone would give it memory of its own (numpy copies a view as
@@ -496,7 +512,7 @@ class CanaryContext:
             A.array_state(self.slot_run_counter), A.array_state(self.kernel_run_counter),
             A.array_state(self.enable_chain_position_assert), self.real_kv_hash_mode,
             tuple((type(source), source.page_size, source.num_bytes_per_token,
-                   A.array_state(source.tensor))
+                   source.read_bytes, A.array_state(source.tensor))
                   for source in self.real_kv_sources),
         )
 

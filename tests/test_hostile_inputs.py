@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+import kvcanary as kc
 from kvcanary.audit import audit
 from kvcanary.dump import MAX_BLOCK_SIZE, VERSION_KEY, DumpError, load, save
 
@@ -247,3 +248,31 @@ def test_demo_keep_does_not_overwrite_an_earlier_dump(tmp_path):
     assert result.exit_code == 2
     assert f"--keep {tmp_path}: clean.npz exists there; pass --force" in result.output
     assert (tmp_path / "clean.npz").read_bytes() == b"mine"
+
+
+# ------------------------------------------------------------ item 9: immutable sources
+
+
+@pytest.mark.parametrize("field,value", [("read_bytes", 4096), ("page_size", 64),
+                                         ("num_bytes_per_token", 4096),
+                                         ("tensor", np.zeros((1, 16), np.uint8))])
+def test_a_real_kv_source_cannot_change_after_its_checks(field, value):
+    source = kc.RealKvSource(np.zeros((64, 32), np.uint8), page_size=1,
+                             num_bytes_per_token=32, read_bytes=32)
+    with pytest.raises(AttributeError, match="RealKvSource is immutable"):
+        setattr(source, field, value)
+    with pytest.raises(AttributeError, match="RealKvSource is immutable"):
+        delattr(source, field)
+    assert (source.page_size, source.num_bytes_per_token, source.read_bytes) == (1, 32, 32)
+    assert source.tensor.shape == (64, 32)
+
+
+def test_cached_checks_notice_a_switch_to_hashing_with_a_source_too_small():
+    """Checks cached while hashing was off must run again once the mode hashes."""
+    from builders import make_context, make_sources, make_verify_plan
+
+    ctx = make_context(num_slots=32, sources=make_sources(1, 8))
+    kc.verify(ctx, make_verify_plan([1], [0], [-1]))
+    ctx.real_kv_hash_mode = kc.RealKvHashMode.ALL
+    with pytest.raises(ValueError, match="holds 8 slots .* but canary_buf has 32"):
+        kc.verify(ctx, make_verify_plan([1], [0], [-1]))
