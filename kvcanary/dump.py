@@ -410,16 +410,54 @@ def _reason(exc: Exception) -> str:
     return text
 
 
+# Reads of a directory dump that a concurrent save replaced midway, retried from the start.
+_DIR_READ_ATTEMPTS = 20
+
+
 def _read_dir(path: str) -> dict:
+    """Every ``.npy`` of one version of the directory: the files are opened through one
+    handle on the directory, and a read during which ``save`` swapped in a new version
+    (the old one may lose files as it is removed) starts again on the new one."""
+    for _ in range(_DIR_READ_ATTEMPTS):
+        try:
+            handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise DumpError(f"{path}: cannot list the dump directory ({exc.strerror})") from None
+        try:
+            held = os.fstat(handle)
+            through = f"/proc/self/fd/{handle}"
+            try:
+                values = _read_dir_files(path, through if os.path.isdir(through) else path)
+            except DumpError:
+                if _still_published(path, held):
+                    raise
+                continue
+            if _still_published(path, held):
+                return values
+        finally:
+            os.close(handle)
+    raise DumpError(f"{path}: the directory was replaced during every read; try again "
+                    "when it is no longer being written")
+
+
+def _still_published(path: str, held: os.stat_result) -> bool:
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _read_dir_files(path: str, through: str) -> dict:
     values = {}
     try:
-        names = sorted(os.listdir(path))
+        names = sorted(os.listdir(through))
     except OSError as exc:
         raise DumpError(f"{path}: cannot list the dump directory ({exc.strerror})") from None
     for name in names:
         if not name.endswith(".npy"):
             continue
-        raw_key, file = name[: -len(".npy")], os.path.join(path, name)
+        raw_key, file = name[: -len(".npy")], os.path.join(through, name)
         key, shown = _shown(raw_key), os.path.join(path, _shown(name))
         try:
             _require_regular(file, shown, key)

@@ -276,3 +276,66 @@ def test_cached_checks_notice_a_switch_to_hashing_with_a_source_too_small():
     ctx.real_kv_hash_mode = kc.RealKvHashMode.ALL
     with pytest.raises(ValueError, match="holds 8 slots .* but canary_buf has 32"):
         kc.verify(ctx, make_verify_plan([1], [0], [-1]))
+
+
+# ------------------------------------------------------------ items 5 and 6: concurrent saves
+
+
+def versioned(k: int) -> dict:
+    """A small dump whose version ``k`` shows in two files: a reader that mixes two
+    versions sees the sweep position disagree with the canary's stored position."""
+    canary = np.zeros((8, 32), np.uint8)
+    canary.view("<i8")[:, 1] = k
+    return dict(canary=canary, req_to_token=np.ones((2, 1), np.int32),
+                req_pool_indices=np.array([1]), seq_lens=np.array([1]),
+                sweep_slot_indices=np.array([1]), sweep_prev_slot_indices=np.array([-1]),
+                sweep_positions=np.array([k]))
+
+
+def save_versions(path: str, count: int, first: int = 0) -> int:
+    """Save ``count`` versions to ``path``; the number of saves that raised."""
+    failed = 0
+    for index in range(count):
+        try:
+            save(path, **versioned(first + index % 5 + 1))
+        except Exception:
+            failed += 1
+    return failed
+
+
+def test_a_reader_holds_to_one_version_of_a_directory_dump(tmp_path):
+    import multiprocessing
+
+    path = save(str(tmp_path / "dump"), **versioned(1))
+    writer = multiprocessing.get_context("spawn").Process(target=save_versions, args=(path, 300))
+    writer.start()
+    mixed, failed, reads = 0, [], 0
+    try:
+        while writer.is_alive() or reads == 0:
+            try:
+                dump = load(path)
+            except DumpError as exc:
+                failed.append(str(exc))
+                continue
+            reads += 1
+            mixed += int(dump.sweep_positions[0]) != int(dump.canary.view("<i8")[1, 1])
+    finally:
+        writer.join(60)
+    assert reads and mixed == 0 and not failed, (reads, mixed, failed[:3])
+
+
+def test_concurrent_saves_to_one_directory_last_writer_wins(tmp_path):
+    import concurrent.futures
+    import multiprocessing
+
+    path = save(str(tmp_path / "dump"), **versioned(1))
+    spawn = multiprocessing.get_context("spawn")
+    missing = 0
+    with concurrent.futures.ProcessPoolExecutor(4, mp_context=spawn) as pool:
+        saves = [pool.submit(save_versions, path, 100, 10 * k) for k in range(4)]
+        while not all(f.done() for f in saves):
+            missing += not os.path.isdir(path)
+        failed = sum(f.result() for f in saves)
+    assert failed == 0 and missing == 0, (failed, missing)
+    assert os.listdir(tmp_path) == ["dump"]            # no temporary or .old directory left
+    load(path)                                          # a complete dump is there
