@@ -339,3 +339,78 @@ def test_concurrent_saves_to_one_directory_last_writer_wins(tmp_path):
     assert failed == 0 and missing == 0, (failed, missing)
     assert os.listdir(tmp_path) == ["dump"]            # no temporary or .old directory left
     load(path)                                          # a complete dump is there
+
+
+# ------------------------------------------------------------ items 7 and 8: worker processes
+
+
+def die_on_bad(task: str) -> str:
+    """A task; ``bad`` kills the worker that runs it (as the kernel's OOM killer would)."""
+    import signal
+
+    if task == "bad":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)
+    return task.upper()
+
+
+def test_a_dead_worker_fails_only_the_task_it_held():
+    from kvcanary.interrupt import WorkerPool
+
+    tasks = ["a", "b", "bad", "c", "d", "e"]
+    with WorkerPool(3) as pool:
+        outcomes = list(pool.map(die_on_bad, tasks,
+                                 failed=lambda task, exc: f"failed {type(exc).__name__}"))
+    assert outcomes == ["A", "B", "failed BrokenProcessPool", "C", "D", "E"]
+
+
+PARENT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from kvcanary.interrupt import WorkerPool
+from test_hostile_inputs import report_pid
+with WorkerPool(2) as pool:
+    list(pool.map(report_pid, [{out!r} + "/a", {out!r} + "/b"]))
+"""
+
+
+def report_pid(path: str) -> None:
+    """A task that writes its worker's pid and then runs for a minute."""
+    with open(path, "w") as handle:
+        handle.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as handle:   # a zombie has exited
+        return handle.read().split(") ")[-1][0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
+def test_workers_exit_when_their_parent_is_killed(tmp_path):
+    import signal
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(
+        tests=os.path.dirname(os.path.abspath(__file__)), out=str(tmp_path))], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2 or any(
+                not (tmp_path / name).read_text() for name in os.listdir(tmp_path)):
+            assert time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.1)
+        workers = [int((tmp_path / name).read_text()) for name in ("a", "b")]
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = [pid for pid in workers if alive(pid)]
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+        assert not survivors, "workers outlived their parent"
+    finally:
+        parent.kill()
