@@ -226,16 +226,19 @@ def _write(path: str, flavour: str, values: dict) -> None:
 
 def _check_replaceable_directory(path: str) -> None:
     """A directory dump replaces only nothing, an empty directory or an earlier dump (as a
-    whole); a directory holding anything else is refused, so no other file is lost."""
+    whole); a directory holding anything else (another file, a folder, a link) is refused,
+    so no other file is lost."""
+    shown, path = path, path.rstrip("/" + os.sep) or path   # "x.npz/" names the file x.npz
     if not os.path.lexists(path):
         return
     if not os.path.isdir(path):
-        raise DumpError(f"{path}: exists and is not a directory; a dump path without .npz or "
+        raise DumpError(f"{shown}: exists and is not a directory; a dump path without .npz or "
                         ".safetensors is written as a directory of .npy files")
     names = sorted(os.listdir(path))
     if not names:
         return
-    foreign = [name for name in names if not name.endswith(".npy")]
+    foreign = [name for name in names if not name.endswith(".npy")
+               or not stat.S_ISREG(os.lstat(os.path.join(path, name)).st_mode)]
     if foreign or f"{VERSION_KEY}.npy" not in names:
         raise DumpError(f"{path}: the directory holds files that are not a kvcanary dump "
                         f"({(foreign or names)[0]}); write the dump to an empty or new directory")

@@ -414,3 +414,27 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path):
         assert not survivors, "workers outlived their parent"
     finally:
         parent.kill()
+
+
+# ------------------------------------------------------------ items 11 and 12: what save replaces
+
+
+def test_a_trailing_slash_over_an_existing_file_is_refused(tmp_path):
+    target = tmp_path / "in.npz"
+    target.write_bytes(b"an earlier file")
+    with pytest.raises(DumpError, match="exists and is not a directory"):
+        save(f"{target}/", **one_request(np.ones((2, 4), np.int32), 4, 64))
+    assert target.read_bytes() == b"an earlier file"
+    assert sorted(os.listdir(tmp_path)) == ["in.npz"]
+
+
+@pytest.mark.parametrize("foreign", ["folder.npy", "link.npy"])
+def test_replacing_a_directory_dump_refuses_folders_and_links_in_it(tmp_path, foreign):
+    path = shared_slot_dump(str(tmp_path / "dump"), 4)
+    if foreign == "folder.npy":
+        os.mkdir(os.path.join(path, foreign))
+    else:
+        os.symlink(tmp_path / "elsewhere", os.path.join(path, foreign))
+    with pytest.raises(DumpError, match=rf"not a kvcanary dump \({foreign}\)"):
+        shared_slot_dump(path, 4)
+    assert foreign in os.listdir(path)
