@@ -18,6 +18,7 @@ from .common import (
     EXIT_CLEAN,
     EXIT_ERROR,
     EXIT_VIOLATIONS,
+    JOBS_RANGE,
     Progress,
     error_message,
     user_error,
@@ -146,7 +147,7 @@ class Totals:
               help="text, or JSON Lines (config, violation..., summary; total for several).")
 @click.option("--compat", is_flag=True,
               help="Upstream's rules only: turn off kvcanary's SLOT_ZERO_IN_PREFIX extension.")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
+@click.option("-j", "--jobs", type=JOBS_RANGE, default=None,
               help="Parallel processes for several dumps (default: CPU count).")
 def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findings, fmt,
                   compat, jobs):

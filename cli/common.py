@@ -18,6 +18,9 @@ from .interrupt import progressed
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
 ERROR_PREFIX = "kvcanary: error: "
 SEED_RANGE = click.IntRange(0, MAX_SEED)
+# -j: each worker is a process holding its own arrays; more than this is a typo, not a plan.
+MAX_JOBS = 256
+JOBS_RANGE = click.IntRange(1, MAX_JOBS)
 # Redraw a progress line at most this often (seconds).
 PROGRESS_INTERVAL_S = 0.1
 

@@ -410,6 +410,8 @@ def _reason(exc: Exception) -> str:
     text = text[0] if text else type(exc).__name__
     if "allow_pickle" in text or "Object arrays" in text:
         return "object (pickled) arrays are refused"
+    if "magic string is not correct" in text:   # (numpy's text echoes the file's bytes)
+        return "not a .npy file: it does not start with the .npy magic number"
     return text
 
 
@@ -463,6 +465,7 @@ def _read_dir_files(path: str, through: str) -> dict:
         raw_key, file = name[: -len(".npy")], os.path.join(through, name)
         key, shown = _shown(raw_key), os.path.join(path, _shown(name))
         try:
+            _require_inside(path, through, name, shown, key)
             _require_regular(file, shown, key)
             with open(file, "rb") as handle:
                 shape, dtype, header, nbytes = _npy_layout(handle)
@@ -557,6 +560,18 @@ def _require_regular(path: str, shown: str, key: str | None = None) -> None:
         where = f"{shown}: key {key}" if key is not None else shown
         raise DumpError(f"{where}: is {_file_kind(mode)}, not a regular file; a dump holds "
                         "regular files only")
+
+
+def _require_inside(path: str, through: str, name: str, shown: str, key: str) -> None:
+    """A link in a directory dump may name another file of the dump, nothing outside it."""
+    link = os.path.join(through, name)
+    if not os.path.islink(link):
+        return
+    target = os.path.realpath(link)
+    folder = os.path.realpath(through)
+    if os.path.dirname(target) != folder:
+        raise DumpError(f"{shown}: key {key}: is a link leaving the dump directory; a "
+                        "directory dump's files live in it")
 
 
 def read_raw(path) -> tuple[str, dict]:

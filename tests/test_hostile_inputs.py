@@ -438,3 +438,41 @@ def test_replacing_a_directory_dump_refuses_folders_and_links_in_it(tmp_path, fo
     with pytest.raises(DumpError, match=rf"not a kvcanary dump \({foreign}\)"):
         shared_slot_dump(path, 4)
     assert foreign in os.listdir(path)
+
+
+# ------------------------------------------------------------ item 19: links, magic, -j
+
+
+def test_a_link_leaving_a_directory_dump_is_refused(tmp_path):
+    path = shared_slot_dump(str(tmp_path / "dump"), 4)
+    outside = tmp_path / "outside.npy"
+    os.replace(os.path.join(path, "seq_lens.npy"), outside)
+    os.symlink(outside, os.path.join(path, "seq_lens.npy"))
+    with pytest.raises(DumpError, match="key seq_lens: is a link leaving the dump directory"):
+        load(path)
+    os.replace(outside, os.path.join(path, "lens.bin"))     # a link inside the dump is fine
+    os.remove(os.path.join(path, "seq_lens.npy"))
+    os.symlink("lens.bin", os.path.join(path, "seq_lens.npy"))
+    assert int(load(path).seq_lens[0]) == 4
+
+
+def test_a_bad_magic_number_does_not_echo_the_file(tmp_path):
+    path = shared_slot_dump(str(tmp_path / "dump"), 4)
+    with open(os.path.join(path, "seq_lens.npy"), "wb") as handle:
+        handle.write(b"SECRET=hunter2\n")
+    with pytest.raises(DumpError) as caught:
+        load(path)
+    assert "SECRET" not in str(caught.value)
+    assert "key seq_lens: cannot read (not a .npy file: it does not start with the .npy " \
+           "magic number)" in str(caught.value)
+
+
+@pytest.mark.parametrize("command", ["audit", "campaign"])
+def test_jobs_have_an_upper_bound(command):
+    from click.testing import CliRunner
+
+    from kvcanary.cli import main
+
+    args = [command, "-j", "100000"] + (["x.npz"] if command == "audit" else [])
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "1<=x<=256" in result.output
