@@ -278,11 +278,12 @@ def _require_safetensors(path: str) -> None:
 # Bounds on what a container may make the loader allocate, checked before any allocation:
 # a deflated member cannot expand more than deflate's ~1032:1; all members together may
 # expand to at most MAX_NPZ_EXPANSION times the file (or MAX_NPZ_EXPANSION_FLOOR bytes,
-# whichever is larger); a safetensors JSON header is at most 100 MB (the format's own limit).
+# whichever is larger); a safetensors JSON header is at most 1 MiB (a dump's keys and
+# strings take a few kilobytes; parsing the format's own limit of 100 MB costs gigabytes).
 MAX_NPZ_EXPANSION = 256
 MAX_NPZ_EXPANSION_FLOOR = 256 << 20
 _DEFLATE_MAX_RATIO = 1032
-MAX_SAFETENSORS_HEADER = 100_000_000
+MAX_SAFETENSORS_HEADER = 1 << 20
 # Tokens per block of a paged dump: engines use up to a few hundred; a larger value would
 # let a few bytes of block table claim millions of positions to audit.
 MAX_BLOCK_SIZE = 1 << 16
@@ -518,10 +519,14 @@ def _safetensors_header(path: str) -> tuple:
             raise DumpError(f"{path}: truncated .safetensors header")
         (length,) = struct.unpack("<Q", head)
         available = os.fstat(handle.fileno()).st_size - 8
-        if length > min(available, MAX_SAFETENSORS_HEADER):
+        if MAX_SAFETENSORS_HEADER < length <= available:
+            raise DumpError(f"{path}: the .safetensors header declares {length} bytes of JSON, "
+                            f"above the limit of {MAX_SAFETENSORS_HEADER} for a dump (its keys "
+                            "and strings take a few kilobytes)")
+        if length > available:
             raise DumpError(f"{path}: the .safetensors header declares {length} bytes of JSON "
-                            f"but the file holds {max(0, available)} after the length field "
-                            f"(limit {MAX_SAFETENSORS_HEADER}): truncated or corrupt")
+                            f"but the file holds {max(0, available)} after the length field: "
+                            "truncated or corrupt")
         header = json.loads(handle.read(length))
         if not isinstance(header, dict):
             raise DumpError(f"{path}: the .safetensors header is not a JSON object")

@@ -476,3 +476,16 @@ def test_jobs_have_an_upper_bound(command):
     args = [command, "-j", "100000"] + (["x.npz"] if command == "audit" else [])
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "1<=x<=256" in result.output
+
+
+# ------------------------------------------------------------ item 14: safetensors header
+
+
+def test_a_huge_safetensors_header_is_refused_before_it_is_parsed(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    path = str(tmp_path / "big.safetensors")
+    arrays = one_request(np.ones((2, 4), np.int32), 4, 64)
+    safetensors_numpy.save_file({VERSION_KEY: np.array(1, np.int64), **arrays}, path,
+                                metadata={"synth_note": "x" * (2 << 20)})
+    with pytest.raises(DumpError, match=r"header declares \d+ bytes of JSON, above the limit"):
+        load(path)
