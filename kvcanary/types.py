@@ -234,6 +234,7 @@ class VerifyPlan:
             A.check_array(getattr(self, name), f"plan.{name}", _INT64, 1, capacity)
         A.check_array(self.verify_num_valid, "plan.verify_num_valid", _INT32, 1, 1)
         A.check_array(self.enable, "plan.enable", _INT32, 1, 1)
+        A.check_disjoint(self.arrays())
         self._passed = state
         self._library = A.common_library(*(getattr(self, n) for n in self.ARRAYS))
 
@@ -315,6 +316,7 @@ class WritePlan:
             )
         if not self._scratch_fits():  # the arrays were replaced after construction
             self._allocate_scratch()
+        A.check_disjoint(self.arrays())
         self._passed = [A.array_state(getattr(self, n)) for n in self.ARRAYS + self.SCRATCH]
         self._library = A.common_library(*(getattr(self, n) for n in self.ARRAYS))
 
@@ -492,8 +494,13 @@ class CanaryContext:
                 )
             if self.hashing:  # NONE mode never dereferences a source
                 source.check_fits(self.num_slots, name)
-        self._passed = state
         log = self.violation_log
+        A.check_disjoint({"canary_buf": buf, "violation_ring": log.ring,
+                          "violation_write_index": log.write_index,
+                          "slot_run_counter": self.slot_run_counter,
+                          "kernel_run_counter": self.kernel_run_counter,
+                          "enable_chain_position_assert": self.enable_chain_position_assert})
+        self._passed = state
         self._library = A.common_library(
             buf, log.ring, log.write_index, self.slot_run_counter, self.kernel_run_counter,
             self.enable_chain_position_assert, *(source.tensor for source in self.real_kv_sources))

@@ -489,3 +489,30 @@ def test_a_huge_safetensors_header_is_refused_before_it_is_parsed(tmp_path):
                                 metadata={"synth_note": "x" * (2 << 20)})
     with pytest.raises(DumpError, match=r"header declares \d+ bytes of JSON, above the limit"):
         load(path)
+
+
+# ------------------------------------------------------------ item 17: aliased arrays
+
+
+def test_a_ring_sharing_the_canarys_memory_is_refused():
+    canary = np.zeros((16, 64), np.uint8)
+    ring = canary.view(np.int64).reshape(16, 8)          # the same bytes, as ring rows
+    ctx = kc.CanaryContext(canary, kernel_kind=kc.LaunchTag.HEAD_K_FULL,
+                           violation_log=kc.ViolationLog(ring, np.zeros(1, np.int32)),
+                           slot_run_counter=np.zeros(1, np.int64),
+                           kernel_run_counter=np.zeros(1, np.int64))
+    from builders import make_verify_plan
+
+    with pytest.raises(ValueError, match="canary_buf and violation_ring share memory"):
+        kc.verify(ctx, make_verify_plan([1], [3], [-1]))
+
+
+def test_plan_arrays_sharing_memory_are_refused():
+    from builders import make_context
+
+    backing = np.zeros(8, np.int64)
+    plan = kc.VerifyPlan(backing[:4], np.full(4, -1, np.int64), backing[2:6],
+                         np.zeros(4, np.int64), np.array([1], np.int32), np.ones(1, np.int32))
+    with pytest.raises(ValueError, match="plan.verify_slot_indices and "
+                                         "plan.verify_expected_positions share memory"):
+        kc.verify(make_context(), plan)
