@@ -14,7 +14,7 @@ import stat
 import sys
 import tempfile
 
-from .interrupt import signals_held
+from .interrupt import Interrupted, signals_held
 
 TEMPORARY_SUFFIX = ".partial"
 
@@ -39,14 +39,19 @@ def replacing(path: str, *, directory: bool = False):
         handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMPORARY_SUFFIX,
                                              dir=folder)
         os.close(handle)
+    replaced = False
     try:
         yield temporary
         os.chmod(temporary, _mode_for(path, directory))
-        if directory:
-            _replace_directory(temporary, path)
-        else:
-            os.replace(temporary, path)
-    except BaseException:
+        with signals_held():   # a signal held here is raised after the output is in place
+            if directory:
+                _replace_directory(temporary, path)
+            else:
+                os.replace(temporary, path)
+            replaced = True
+    except BaseException as exc:
+        if replaced and isinstance(exc, Interrupted):
+            exc.output_written = True
         _remove(temporary)
         raise
 

@@ -20,7 +20,10 @@ import sys
 import threading
 from concurrent.futures.process import BrokenProcessPool
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP (the terminal went away) and SIGQUIT stop a command too: their default action
+# would end it without removing an output still under its temporary name.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+                     if hasattr(signal, name))
 WORKER_EXIT_WAIT_S = 2.0   # a killed worker is gone in milliseconds; never wait forever
 
 
@@ -30,6 +33,9 @@ class Interrupted(BaseException):
 
     def __init__(self, signum: int):
         self.signum = signum
+        # set when the signal arrived just after an output was put in place (see
+        # kvcanary.atomic.replacing): that output is written, whatever was cut after it
+        self.output_written = False
         super().__init__(self.signal_name)
 
     @property
@@ -44,7 +50,7 @@ class Interrupted(BaseException):
 
 @contextlib.contextmanager
 def signals_raise():
-    """Make SIGINT and SIGTERM raise :class:`Interrupted` inside the block. A signal the
+    """Make SIGINT, SIGTERM, SIGHUP and SIGQUIT raise :class:`Interrupted` inside the block. A signal the
     process was started to ignore (``nohup``) stays ignored; outside the main thread, where
     Python cannot install handlers, nothing changes."""
     if threading.current_thread() is not threading.main_thread():

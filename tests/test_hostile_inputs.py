@@ -516,3 +516,55 @@ def test_plan_arrays_sharing_memory_are_refused():
     with pytest.raises(ValueError, match="plan.verify_slot_indices and "
                                          "plan.verify_expected_positions share memory"):
         kc.verify(make_context(), plan)
+
+
+# ------------------------------------------------------------ item 16: interrupts
+
+
+HANGUP_DURING_WRITE = """
+import os, signal, sys
+from kvcanary.atomic import replacing
+from kvcanary.interrupt import Interrupted, signals_raise
+target = sys.argv[1]
+try:
+    with signals_raise(), replacing(target) as temporary:
+        with open(temporary, "wb") as handle:
+            handle.write(b"x" * (1 << 20))
+        os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+        handle = None
+except Interrupted as exc:
+    print("interrupted", exc.signal_name, exc.output_written)
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGHUP", "SIGQUIT"])
+def test_a_hangup_during_a_write_leaves_no_partial_file(tmp_path, name):
+    done = subprocess.run([sys.executable, "-c", HANGUP_DURING_WRITE, str(tmp_path / "out.npz"),
+                           name], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.stdout.strip() == f"interrupted {name} False", (done.returncode, done.stderr)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_signal_held_during_the_rename_reports_the_output_written(tmp_path, monkeypatch):
+    import signal
+    import threading
+
+    from kvcanary import atomic
+    from kvcanary.interrupt import Interrupted, signals_raise
+
+    real_replace = os.replace
+
+    def replace_then_signal(source, target):
+        real_replace(source, target)
+        # lands in the window, held until it ends (sent to this thread: a process-directed
+        # signal may be taken by another thread, where the hold does not reach)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+    monkeypatch.setattr(atomic.os, "replace", replace_then_signal)
+    target = tmp_path / "out.npz"
+    with pytest.raises(Interrupted) as caught:
+        with signals_raise(), atomic.replacing(str(target)) as temporary:
+            with open(temporary, "wb") as handle:
+                handle.write(b"new")
+    assert caught.value.output_written and target.read_bytes() == b"new"
+    assert os.listdir(tmp_path) == ["out.npz"]
