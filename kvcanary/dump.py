@@ -411,6 +411,8 @@ def _reason(exc: Exception) -> str:
     text = text[0] if text else type(exc).__name__
     if "allow_pickle" in text or "Object arrays" in text:
         return "object (pickled) arrays are refused"
+    if "malformed node or string" in text or "Cannot parse header" in text:
+        return "the .npy header cannot be parsed (not a literal Python dict)"
     if "magic string is not correct" in text:   # (numpy's text echoes the file's bytes)
         return "not a .npy file: it does not start with the .npy magic number"
     return text
@@ -582,8 +584,10 @@ def _require_inside(path: str, through: str, name: str, shown: str, key: str) ->
 def read_raw(path) -> tuple[str, dict]:
     """``(flavour, {key: array})`` without validation."""
     path = str(path)
-    if not os.path.exists(path):
-        raise DumpError(f"{path}: no such file or directory")
+    try:
+        os.stat(path)
+    except OSError as exc:   # a missing file, a symbolic-link loop, an unsearchable folder
+        raise DumpError(f"{_shown(path)}: {(exc.strerror or 'cannot read').lower()}") from None
     if os.path.isdir(path):
         return "dir", _read_dir(path)
     _require_regular(path, _shown(path))
@@ -762,7 +766,8 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     if tag is not None:
         name = c.string("launch_tag", tag).strip().upper()
         if name not in LaunchTag.__members__:
-            c.fail("launch_tag", f"unknown launch tag {name!r} (one of "
+            shown = name if len(name) <= 40 else name[:40] + "..."
+            c.fail("launch_tag", f"unknown launch tag {shown!r} (one of "
                                  f"{', '.join(LaunchTag.__members__)})")
         dump.launch_tag = LaunchTag[name]
 

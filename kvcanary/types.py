@@ -41,6 +41,12 @@ def check_source_count(count: int, bound: int,
                        raise_with: str = "CanaryContext(max_real_kv_sources=N)") -> None:
     """At most ``bound`` real-KV sources: the kernels take that many descriptors by value.
     ``raise_with`` says where the caller sets the bound."""
+    if count > bound and count > MAX_REAL_KV_SOURCES_LIMIT:   # no bound would help
+        raise ValueError(
+            f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "
+            f"got {count}\n(no kernel variant takes more than {MAX_REAL_KV_SOURCES_LIMIT} "
+            "sources: fingerprint fewer of the KV pool's pieces)"
+        )
     if count > bound:
         raise ValueError(
             f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "

@@ -568,3 +568,41 @@ def test_a_signal_held_during_the_rename_reports_the_output_written(tmp_path, mo
                 handle.write(b"new")
     assert caught.value.output_written and target.read_bytes() == b"new"
     assert os.listdir(tmp_path) == ["out.npz"]
+
+
+# ------------------------------------------------------------ item 15: messages
+
+
+def test_a_garbage_npy_header_is_named_not_dumped_as_a_python_object(tmp_path):
+    path = shared_slot_dump(str(tmp_path / "dump"), 4)
+    header = b"{'descr': foo(), 'fortran_order': False, 'shape': (1,), }"
+    header += b" " * (63 - 10 - len(header)) + b"\n"
+    with open(os.path.join(path, "seq_lens.npy"), "wb") as handle:
+        handle.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(8))
+    with pytest.raises(DumpError, match=r"key seq_lens: cannot read \(the \.npy header cannot "
+                                        r"be parsed") as caught:
+        load(path)
+    assert "ast." not in str(caught.value)
+
+
+def test_a_symlink_loop_is_not_called_missing(tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    with pytest.raises(DumpError, match="too many levels of symbolic links"):
+        load(loop)
+
+
+def test_a_huge_launch_tag_gives_a_short_message(tmp_path):
+    arrays = one_request(np.ones((2, 4), np.int32), 4, 64)
+    with pytest.raises(DumpError) as caught:
+        save(tmp_path / "d.npz", **arrays, launch_tag="X" * (1 << 20))
+    assert "unknown launch tag 'XXXX" in str(caught.value) and len(str(caught.value)) < 400
+
+
+def test_more_sources_than_any_variant_get_possible_advice():
+    from kvcanary.types import check_source_count
+
+    with pytest.raises(ValueError) as caught:
+        check_source_count(70, 4)
+    assert "N >= 70" not in str(caught.value)
+    assert f"no kernel variant takes more than {kc.MAX_REAL_KV_SOURCES_LIMIT}" in str(caught.value)
