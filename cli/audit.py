@@ -21,6 +21,7 @@ from .common import (
     JOBS_RANGE,
     Progress,
     error_message,
+    printable,
     user_error,
 )
 from .interrupt import interrupted_record, on_interrupt
@@ -39,7 +40,8 @@ def run_audit(path: str, options: dict, progress=None):
         message = user_error(exc)
         if message is None:
             raise
-        return "error", message if message.startswith(path) else f"{path}: {message}"
+        shown = printable(path)
+        return "error", message if message.startswith(shown) else f"{shown}: {message}"
 
 
 def render_text(result, echo) -> None:

@@ -30,8 +30,16 @@ def error_message(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     if isinstance(exc, OSError) and exc.filename:
         text = f"{exc.filename}: {exc.strerror or text}"
-    first = text.splitlines()[0]
-    return first.removeprefix("kv-canary: ")
+    # One line whatever the text holds: a newline (in a path, say) joins rather than cuts the
+    # reason off, and other control characters are shown escaped, never sent raw.
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return printable(line).removeprefix("kv-canary: ")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\n``, ``\\x1b``)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def user_error(exc: BaseException) -> str | None:

@@ -606,3 +606,12 @@ def test_more_sources_than_any_variant_get_possible_advice():
         check_source_count(70, 4)
     assert "N >= 70" not in str(caught.value)
     assert f"no kernel variant takes more than {kc.MAX_REAL_KV_SOURCES_LIMIT}" in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["new\nline.npz", "esc\x1b[31mred.npz"])
+def test_control_characters_in_a_path_stay_on_one_escaped_line(tmp_path, name):
+    done = cli("audit", tmp_path / name)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "\x1b" not in done.stderr, done.stderr
+    assert lines[0].endswith("no such file or directory"), lines
