@@ -615,3 +615,37 @@ def test_control_characters_in_a_path_stay_on_one_escaped_line(tmp_path, name):
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and "\x1b" not in done.stderr, done.stderr
     assert lines[0].endswith("no such file or directory"), lines
+
+
+# ------------------------------------------------------------ paths no other test reaches
+
+
+def test_a_paged_request_running_just_past_its_block_table_names_block_minus_one(tmp_path):
+    table = np.array([[0, 0], [1, 2]], np.int32)            # row 1: blocks 1 and 2 of 4 slots
+    path = save(tmp_path / "paged.npz", canary=np.zeros((16, 32), np.uint8), block_table=table,
+                block_size=4, req_pool_indices=np.array([1]), seq_lens=np.array([10]))
+    result = audit(path, backend="numpy", max_findings=0)
+    past = [f for f in result.findings if f.kind == "request" and f.position >= 8]
+    assert [(f.position, f.block_index, f.block) for f in past] == [(8, 2, -1), (9, 2, -1)]
+    assert "block -1 (block-table entry 2)" in past[0].where()
+
+
+def test_max_findings_holds_when_rows_cannot_be_attributed(tmp_path, monkeypatch):
+    """Rows no plan entry reproduces (a faulty backend's extra rows) still count against
+    --max-findings, and the summary says how many were left out."""
+    import kvcanary.audit as audit_module
+
+    real_verify = audit_module._verify
+
+    def with_strangers(launcher, launch):
+        rows = real_verify(launcher, launch)
+        strangers = rows.copy()
+        strangers[:, 2] += 1000                              # positions no entry expects
+        return np.concatenate([rows, strangers])
+
+    monkeypatch.setattr(audit_module, "_verify", with_strangers)
+    path = distinct_slot_dump(tmp_path / "d.npz", 50)
+    result = audit(path, backend="numpy", max_findings=30)
+    assert result.total_violations == 100 and result.unattributed == 50
+    assert len(result.findings) == 30 and result.findings_cut
+    assert result.summary_record()["findings_omitted"] == 70
