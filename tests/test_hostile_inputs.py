@@ -5,6 +5,7 @@ address-space limit so a regression fails instead of taking the machine."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
@@ -649,3 +650,56 @@ def test_max_findings_holds_when_rows_cannot_be_attributed(tmp_path, monkeypatch
     assert result.total_violations == 100 and result.unattributed == 50
     assert len(result.findings) == 30 and result.findings_cut
     assert result.summary_record()["findings_omitted"] == 70
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+                ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class HandMadeProducer:
+    """A CPU uint8 tensor exported through a DLPack capsule built by hand (an unversioned
+    ``dltensor``): ``byte_offset`` into ``backing`` and ``strides`` (None: compact, the
+    pointer left NULL), both allowed by the standard, which numpy never produces."""
+
+    def __init__(self, backing: np.ndarray, shape: tuple, byte_offset: int, strides):
+        self.backing = backing
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.strides = None if strides is None else (ctypes.c_int64 * len(strides))(*strides)
+        self.managed = _DLManagedTensor()
+        t = self.managed.dl_tensor
+        t.data, t.device_type, t.device_id = backing.ctypes.data, 1, 0
+        t.ndim, t.code, t.bits, t.lanes = len(shape), 1, 8, 1
+        t.shape = ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64))
+        t.strides = (ctypes.cast(self.strides, ctypes.POINTER(ctypes.c_int64))
+                     if strides is not None else None)
+        t.byte_offset = byte_offset
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self):     # a producer older than the versioned protocol
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_char_p,
+                                                       ctypes.c_void_p)
+        return new(ctypes.addressof(self.managed), b"dltensor", None)
+
+
+@pytest.mark.parametrize("byte_offset,strides", [(48, (32, 1)), (0, None), (16, None)],
+                         ids=["offset", "compact", "offset-compact"])
+def test_a_dlpack_tensor_with_a_byte_offset_or_no_strides_is_read_where_it_lies(byte_offset,
+                                                                                 strides):
+    backing = np.arange(256, dtype=np.uint8)
+    producer = HandMadeProducer(backing, (4, 32), byte_offset, strides)
+    source = kc.RealKvSource(producer, page_size=1, num_bytes_per_token=32, read_bytes=32)
+    expected = backing[byte_offset:byte_offset + 128].reshape(4, 32)
+    assert np.array_equal(np.asarray(source.tensor), expected)
+    assert source.tensor.__array_interface__["data"][0] == backing.ctypes.data + byte_offset
