@@ -345,6 +345,8 @@ def _read_npz(path: str) -> dict:
         for info in infos:
             name = info.filename.removesuffix(".npy")
             key = _shown(name)
+            if not _read_key(name):
+                continue
             try:
                 with archive.open(info) as member:
                     shape, dtype, header, nbytes = _npy_layout(member)
@@ -470,6 +472,8 @@ def _read_dir_files(path: str, through: str) -> dict:
         try:
             _require_inside(path, through, name, shown, key)
             _require_regular(file, shown, key)
+            if not _read_key(raw_key):
+                continue
             with open(file, "rb") as handle:
                 shape, dtype, header, nbytes = _npy_layout(handle)
             held = os.path.getsize(file) - header
@@ -502,6 +506,8 @@ def _read_safetensors(path: str) -> dict:
                 if key != "__metadata__":
                     values[key] = np.array(value)
             for key in handle.keys():
+                if not _read_key(key):
+                    continue
                 info = header[key]
                 if info["dtype"] in _SAFETENSORS_NUMPY:
                     values[key] = handle.get_tensor(key)
@@ -697,6 +703,20 @@ INT64_KEYS = (VERSION_KEY, "req_pool_indices", "seq_lens", "real_kv_params", "sw
               "sweep_prev_slot_indices", "sweep_positions")
 
 
+# Keys the format defines (real_kv_* aside); synth_ keys carry a synthetic dump's ground
+# truth. A reader skips every other key without reading it (an ignored key that inflates to
+# gigabytes costs nothing).
+KNOWN_KEYS = frozenset({
+    VERSION_KEY, "canary", "req_to_token", "block_table", "block_size", "req_pool_indices",
+    "seq_lens", "launch_tag", "real_kv_params", "real_kv_hash_mode", "swa_window_size",
+    "full_to_swa_index_mapping", "expected_tokens", "expected_tokens_valid_lens",
+    "sweep_slot_indices", "sweep_prev_slot_indices", "sweep_positions"})
+
+
+def _read_key(key: str) -> bool:
+    return key in KNOWN_KEYS or key.startswith(("real_kv_", SYNTH_PREFIX))
+
+
 def widen(values: dict) -> dict:
     """``values`` with the int64 keys' narrower integer arrays (int8..int32, uint8..uint32)
     as int64: every value fits, so nothing is lost. Other dtypes are left for the checker."""
@@ -776,13 +796,8 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     _load_expected(c, dump, bs)
     _load_sweep(c, dump)
 
-    known = {VERSION_KEY, "canary", "req_to_token", "block_table", "block_size",
-             "req_pool_indices", "seq_lens", "launch_tag",
-             "real_kv_params", "real_kv_hash_mode", "swa_window_size", "full_to_swa_index_mapping",
-             "expected_tokens", "expected_tokens_valid_lens", "sweep_slot_indices",
-             "sweep_prev_slot_indices", "sweep_positions"}
     for key, value in values.items():
-        if key in known or key.startswith("real_kv_"):
+        if key in KNOWN_KEYS or key.startswith("real_kv_"):
             continue
         if value.dtype.kind == "U" and value.ndim == 0 and _valid_unicode(value):
             value = str(value[()])  # (invalid unicode stays an array: audit ignores extras)

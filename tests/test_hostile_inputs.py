@@ -703,3 +703,42 @@ def test_a_dlpack_tensor_with_a_byte_offset_or_no_strides_is_read_where_it_lies(
     expected = backing[byte_offset:byte_offset + 128].reshape(4, 32)
     assert np.array_equal(np.asarray(source.tensor), expected)
     assert source.tensor.__array_interface__["data"][0] == backing.ctypes.data + byte_offset
+
+
+# ------------------------------------------------------------ item 14: ignored keys
+
+
+def test_an_ignored_key_is_not_decompressed(tmp_path):
+    import tracemalloc
+    import zipfile
+
+    path = tmp_path / "d.npz"
+    save(path, **one_request(np.ones((2, 4), np.int32), 4, 64))
+    size = 64 << 20
+    header = npy_header(np.uint8, (size,))
+    with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("ignored_extra.npy", "w", force_zip64=True) as member:
+            member.write(header)
+            zeros = bytes(1 << 20)
+            for _ in range(size >> 20):
+                member.write(zeros)
+    assert os.path.getsize(path) < 1 << 20
+    tracemalloc.start()
+    try:
+        dump = load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "ignored_extra" not in dump.extra
+    assert peak < 16 << 20, peak
+
+
+def npy_header(dtype, shape) -> bytes:
+    import io
+
+    from numpy.lib import format as npy_format
+
+    buffer = io.BytesIO()
+    npy_format.write_array_header_1_0(buffer, {"descr": npy_format.dtype_to_descr(np.dtype(dtype)),
+                                               "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
