@@ -5,7 +5,8 @@ Data flows plan -> verify -> violations -> findings:
 
 1. For every live request (``req_pool_indices != 0``) the verify plan covers positions
    ``[window_start, seq_len)``, built by ``kvcanary.plan`` with ``prefix_lens = seq_lens``
-   and ``extend_seq_lens = 0``, in chunks of requests so memory stays bounded.
+   and ``extend_seq_lens = 0``, in groups of requests so memory stays bounded; a request
+   longer than one launch (``chunk_entries``) is planned in pieces by the reference's rule.
 2. ``kvcanary.verify`` checks them on the chosen backend (numpy reference or CUDA kernels),
    with the token check on when the dump carries ``expected_tokens``.
 3. kvcanary's slot-zero extension (off with ``compat=True``) adds a
