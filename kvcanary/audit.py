@@ -443,18 +443,17 @@ def _live_requests(d: Dump) -> _LiveRequests:
 
 
 def _plan_groups(lengths: np.ndarray, limit: int):
-    """``(begin, end)`` ranges of consecutive live requests planned in one launch: the
-    requests whose first entry falls in the same ``limit``-sized stretch of entries (at most
-    ``2 * limit`` entries a launch). A request longer than ``limit`` is a group of its own,
-    planned in pieces (:func:`_piece_launches`)."""
-    if lengths.size == 0:
-        return
-    long = lengths > limit
-    bucket = (np.cumsum(lengths) - lengths) // limit
-    new = np.ones(lengths.size, dtype=bool)
-    new[1:] = (bucket[1:] != bucket[:-1]) | long[1:] | long[:-1]
-    heads = np.flatnonzero(new).tolist()
-    yield from zip(heads, heads[1:] + [lengths.size])
+    """``(begin, end)`` ranges of consecutive live requests whose entries fit ``limit``
+    together, each as long as fits; a request longer than ``limit`` is a range of its own,
+    planned in pieces (:func:`_piece_launches`). One search per range, never a loop over the
+    requests."""
+    ends = np.cumsum(lengths)
+    begin = 0
+    while begin < lengths.size:
+        before = int(ends[begin - 1]) if begin else 0
+        end = max(begin + 1, int(np.searchsorted(ends, before + limit, side="right")))
+        yield begin, end
+        begin = end
 
 
 def _live_launches(d: Dump, launcher: _Launcher, live: _LiveRequests, chunk: int):
