@@ -639,6 +639,8 @@ def _match_rows(rows: np.ndarray, predicted: np.ndarray, entries: np.ndarray) ->
     result = np.full(rows.shape[0], -1, dtype=np.int64)
     if predicted.shape[0] == 0:
         return result
+    if predicted.shape == rows.shape and np.array_equal(predicted, rows):
+        return entries.astype(np.int64, copy=True)   # rows in entry order (the reference's)
     n = rows.shape[0]
     groups = _row_groups(np.concatenate([rows, predicted]))
     span = max(n, predicted.shape[0]) + 1
