@@ -15,7 +15,7 @@ from kernel_harness.fixtures import NO_COMPILER
 
 TESTS = Path(__file__).resolve().parent
 SUBSET = ["test_kernels_cpu_out_of_range.py", "test_kernels_cpu_properties.py",
-          "test_kernels_cpu_plan.py", "test_paged_plan.py"]
+          "test_kernels_cpu_plan.py", "test_paged_plan.py", "test_ring_saturation.py"]
 
 
 def asan_runtime(cxx: str) -> str | None:
