@@ -742,3 +742,19 @@ def npy_header(dtype, shape) -> bytes:
     npy_format.write_array_header_1_0(buffer, {"descr": npy_format.dtype_to_descr(np.dtype(dtype)),
                                                "fortran_order": False, "shape": shape})
     return buffer.getvalue()
+
+
+def test_synth_refuses_a_missing_folder_before_simulating(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import kvcanary.synth
+    from kvcanary.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the simulation ran before the output folder was checked")
+
+    monkeypatch.setattr(kvcanary.synth.Synthesis, "run", never)
+    out = tmp_path / "missing" / "out.npz"
+    result = CliRunner().invoke(main, ["synth", str(out)])
+    assert result.exit_code == 2, result.output
+    assert f"OUT {out}: the folder {out.parent} does not exist" in result.output
