@@ -81,10 +81,28 @@ struct Ring {
   int32_t* write_index;
 };
 
+// The index saturates at kViolationWriteIndexMax instead of wrapping to negative (which
+// would make the log read clean and stop storing rows). Far from the top a plain atomicAdd
+// claims; within the margin, which is larger than the threads a GPU runs at once (each adds
+// 1 after its read), a compare-and-swap loop. -1: saturated, no sequence number, no row.
+constexpr int32_t kWriteIndexCasMargin = 1 << 24;
+
+KVC_DEVICE int32_t claim_sequence(int32_t* write_index) {
+  constexpr int32_t kTop = static_cast<int32_t>(kViolationWriteIndexMax);
+  int32_t seen = *reinterpret_cast<volatile int32_t*>(write_index);
+  if (seen < kTop - kWriteIndexCasMargin) return atomicAdd(write_index, 1);
+  while (seen != kTop) {
+    const int32_t old = atomicCAS(write_index, seen, seen + 1);
+    if (old == seen) return old;
+    seen = old;
+  }
+  return -1;
+}
+
 KVC_DEVICE void append_violation(const Ring& ring, int64_t kernel_kind, int64_t slot,
                                  int64_t position, int64_t stored_token, int64_t expected_token,
                                  int64_t stored_chain_hash, int64_t expected_aux, int64_t bits) {
-  const int32_t seq = atomicAdd(ring.write_index, 1);
+  const int32_t seq = claim_sequence(ring.write_index);
   if (seq >= 0 && static_cast<int64_t>(seq) < ring.capacity) {
     int64_t* row = ring.rows + static_cast<int64_t>(seq) * kViolationFields;
     row[kViolationFieldKernelKind] = kernel_kind;

@@ -26,6 +26,8 @@ constexpr int64_t kViolationFieldExpectedToken = 4;
 constexpr int64_t kViolationFieldStoredChainHash = 5;
 constexpr int64_t kViolationFieldExpectedAux = 6;
 constexpr int64_t kViolationFieldFailReasonBits = 7;
+// The violation write index saturates here (INT32_MAX) instead of wrapping to negative.
+constexpr int64_t kViolationWriteIndexMax = 0x7fffffff;
 
 constexpr int64_t kMaxRealKvSources = 4;
 constexpr int64_t kMaxRealKvSourcesLimit = 64;

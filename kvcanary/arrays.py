@@ -173,6 +173,26 @@ def check_aligned(x, name: str, alignment: int | None = None) -> None:
                          f"starting {data_address(x) % alignment} byte(s) past a boundary")
 
 
+def byte_span(x) -> tuple:
+    """``(first, past_last)`` byte addresses an array's elements can touch."""
+    first = last = data_address(x)
+    for extent, stride in zip(x.shape, x.strides):
+        reach = (int(extent) - 1) * int(stride)
+        first, last = (first + reach, last) if reach < 0 else (first, last + reach)
+    return first, last + x.dtype.itemsize
+
+
+def check_disjoint(arrays: dict) -> None:
+    """No two of the named arrays share memory: launches write some of them in place, so
+    an alias would shift what the others read (one array passed for two arguments)."""
+    spans = sorted((byte_span(array), name) for name, array in arrays.items()
+                   if array is not None and getattr(array, "size", 0))
+    for ((_, end), first), ((begin, _), second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ValueError(f"kv-canary: {first} and {second} share memory; pass separate "
+                             "arrays (a launch writes one of them in place)")
+
+
 def array_state(x):
     """What the checks above read of an array, as plain values (type, shape, strides, dtype,
     data address, numpy's writeability): two arrays with equal states pass or fail the same

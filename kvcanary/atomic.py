@@ -5,12 +5,16 @@ previous target or the complete new one, never a part."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import os
 import shutil
 import stat
+import sys
 import tempfile
 
-from .interrupt import signals_held
+from .interrupt import Interrupted, signals_held
 
 TEMPORARY_SUFFIX = ".partial"
 
@@ -35,14 +39,19 @@ def replacing(path: str, *, directory: bool = False):
         handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMPORARY_SUFFIX,
                                              dir=folder)
         os.close(handle)
+    replaced = False
     try:
         yield temporary
         os.chmod(temporary, _mode_for(path, directory))
-        if directory:
-            _replace_directory(temporary, path)
-        else:
-            os.replace(temporary, path)
-    except BaseException:
+        with signals_held():   # a signal held here is raised after the output is in place
+            if directory:
+                _replace_directory(temporary, path)
+            else:
+                os.replace(temporary, path)
+            replaced = True
+    except BaseException as exc:
+        if replaced and isinstance(exc, Interrupted):
+            exc.output_written = True
         _remove(temporary)
         raise
 
@@ -62,20 +71,70 @@ def _mode_for(path: str, directory: bool) -> int:
 
 
 def _replace_directory(new: str, path: str) -> None:
-    """Two renames and a removal, with SIGINT and SIGTERM held back so that no interrupt
-    leaves ``path`` missing or the old directory behind under its temporary name."""
-    if not os.path.lexists(path):
-        os.rename(new, path)
-        return
-    old = new + ".old"
-    with signals_held():
-        os.rename(path, old)
-        try:
-            os.rename(new, path)
-        except BaseException:
-            os.rename(old, path)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+    """Put the directory ``new`` at ``path``: swapped in one atomic exchange where the
+    system has one (Linux ``renameat2``), so ``path`` is never missing and concurrent savers
+    each remove what they swapped out (the last exchange wins); else two renames with SIGINT
+    and SIGTERM held back. A saver that finds ``path`` taken again by another saver between
+    its steps retries; nothing is left behind under a temporary name."""
+    for _ in range(_REPLACE_ATTEMPTS):
+        if not os.path.lexists(path):
+            try:
+                os.rename(new, path)
+                return
+            except OSError as exc:   # another saver put its directory there first
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+        if _exchange(new, path):
+            shutil.rmtree(new, ignore_errors=True)   # the earlier directory, now at new
+            return
+        old = new + ".old"
+        with signals_held():
+            try:
+                os.rename(path, old)
+            except FileNotFoundError:   # another saver moved it away: start again
+                continue
+            try:
+                os.rename(new, path)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    os.rename(old, path)
+                    raise
+                shutil.rmtree(new, ignore_errors=True)   # another saver won the race
+            shutil.rmtree(old, ignore_errors=True)
+            return
+    raise OSError(errno.EBUSY, "other writers keep replacing the directory", path)
+
+
+_REPLACE_ATTEMPTS = 100
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two existing paths atomically; False where the system or file system cannot."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOENT):
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                         ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return function
 
 
 def _remove(temporary: str) -> None:

@@ -5,7 +5,8 @@ Data flows plan -> verify -> violations -> findings:
 
 1. For every live request (``req_pool_indices != 0``) the verify plan covers positions
    ``[window_start, seq_len)``, built by ``kvcanary.plan`` with ``prefix_lens = seq_lens``
-   and ``extend_seq_lens = 0``, in chunks of requests so memory stays bounded.
+   and ``extend_seq_lens = 0``, in groups of requests so memory stays bounded; a request
+   longer than one launch (``chunk_entries``) is planned in pieces by the reference's rule.
 2. ``kvcanary.verify`` checks them on the chosen backend (numpy reference or CUDA kernels),
    with the token check on when the dump carries ``expected_tokens``.
 3. kvcanary's slot-zero extension (off with ``compat=True``) adds a
@@ -35,7 +36,8 @@ import itertools
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -49,6 +51,8 @@ from .consts import (
 from .diagnosis import (CHECK_WORDS, Diagnosis, Entry, Evidence, diagnose,  # noqa: F401
                         failed_checks, likely_cause, record_links)
 from .dump import Dump, load
+from .reference.plan import verify_entries
+from .reference.verify import entry_rows
 from .rules import canary_fields, violation_rows, window_start
 from .types import (CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan,
                     check_source_bound, check_source_count, to_host)
@@ -355,59 +359,115 @@ class _Launch:
 # ------------------------------------------------------------ step 1: build the entries
 
 
-def _plan_chunks(lengths: np.ndarray, limit: int):
-    """Consecutive batch ranges whose entry totals stay within ``limit`` (one long request
-    may exceed it alone)."""
-    begin, total = 0, 0
-    for index, length in enumerate(lengths.tolist()):
-        if total and total + length > limit:
-            yield begin, index, total
-            begin, total = index, 0
-        total += length
-    if begin < lengths.shape[0]:
-        yield begin, lengths.shape[0], total
+# Batch rows scanned at a time when finding the live requests: bounds the temporaries of a
+# batch of millions of (mostly padding) rows.
+_SCAN_ROWS = 1 << 20
 
 
-def _live_lengths(d: Dump) -> np.ndarray:
-    """Entries each batch index verifies: ``[window_start, seq_len)`` of a live request."""
-    seq_lens = np.asarray(d.seq_lens)
-    starts = window_start(seq_lens, d.swa_window_size)
-    active = np.asarray(d.req_pool_indices) != 0
-    return np.where(active, np.maximum(0, seq_lens - starts), 0).astype(np.int64)
+@dataclass
+class _LiveRequests:
+    """The batch indices that verify at least one entry, and how many each verifies
+    (``[window_start, seq_len)``); padding rows and empty prefixes are left out."""
+
+    batch_index: np.ndarray
+    lengths: np.ndarray
+
+    @property
+    def entries(self) -> int:
+        return int(self.lengths.sum())
 
 
-def _live_launches(d: Dump, launcher: _Launcher, lengths: np.ndarray, chunk: int):
-    """The live requests' prefixes, planned by ``kvcanary.plan`` in chunks of requests."""
+def _live_requests(d: Dump) -> _LiveRequests:
+    """The live requests, scanned ``_SCAN_ROWS`` batch rows at a time (memory stays within
+    the size of the tables read, whatever the batch size)."""
+    indices, lengths = [], []
+    for begin in range(0, d.batch_size, _SCAN_ROWS):
+        seq_lens = np.asarray(d.seq_lens[begin:begin + _SCAN_ROWS])
+        length = np.maximum(0, seq_lens - window_start(seq_lens, d.swa_window_size))
+        live = np.flatnonzero((np.asarray(d.req_pool_indices[begin:begin + _SCAN_ROWS]) != 0)
+                              & (length > 0))
+        indices.append(live + begin)
+        lengths.append(length[live].astype(np.int64))
+    return _LiveRequests(np.concatenate(indices or [np.zeros(0, np.int64)]),
+                         np.concatenate(lengths or [np.zeros(0, np.int64)]))
+
+
+def _plan_groups(lengths: np.ndarray, limit: int):
+    """``(begin, end)`` ranges of consecutive live requests whose entries fit ``limit``
+    together, each as long as fits; a request longer than ``limit`` is a range of its own,
+    planned in pieces (:func:`_piece_launches`). One search per range, never a loop over the
+    requests."""
+    ends = np.cumsum(lengths)
+    begin = 0
+    while begin < lengths.size:
+        before = int(ends[begin - 1]) if begin else 0
+        end = max(begin + 1, int(np.searchsorted(ends, before + limit, side="right")))
+        yield begin, end
+        begin = end
+
+
+def _live_launches(d: Dump, launcher: _Launcher, live: _LiveRequests, chunk: int):
+    """The live requests' prefixes, planned by ``kvcanary.plan`` in groups of requests;
+    a request longer than ``chunk`` in pieces of ``chunk`` entries."""
     device, xp = launcher.device, launcher.xp
     table = d.plan_table(device)
     lut = device(d.full_to_swa_index_mapping)
     pool = device(d.expected_tokens)
     check_token = pool is not None
-    for begin, end, total in _plan_chunks(lengths, chunk):
-        if total == 0:
+    for begin, end in _plan_groups(live.lengths, chunk):
+        batch = live.batch_index[begin:end]
+        total = int(live.lengths[begin:end].sum())
+        if total > chunk and batch.size == 1:
+            yield from _piece_launches(d, launcher, int(batch[0]), total, chunk)
             continue
-        bs = end - begin
         verify_plan = VerifyPlan.allocate(total, xp=xp)
-        write_plan = WritePlan.allocate(bs, xp=xp)
-        valid_lens = None if pool is None else device(
-            np.ascontiguousarray(d.expected_tokens_valid_lens[begin:end]))
-        try:
-            api.plan(req_pool_indices=device(np.ascontiguousarray(d.req_pool_indices[begin:end])),
-                     prefix_lens=device(np.ascontiguousarray(d.seq_lens[begin:end])),
-                     extend_seq_lens=xp.zeros(bs, dtype=xp.int64), **table,
+        write_plan = WritePlan.allocate(batch.size, xp=xp)
+        valid_lens = None if pool is None else device(d.expected_tokens_valid_lens[batch])
+        with _plan_errors(d):
+            api.plan(req_pool_indices=device(d.req_pool_indices[batch]),
+                     prefix_lens=device(d.seq_lens[batch]),
+                     extend_seq_lens=xp.zeros(batch.size, dtype=xp.int64), **table,
                      verify_plan=verify_plan, write_plan=write_plan,
                      swa_window_size=d.swa_window_size, full_to_swa_index_mapping=lut,
                      req_to_verify_expected_tokens=pool,
                      req_to_verify_expected_tokens_valid_lens=valid_lens)
-        except ValueError as exc:
-            text = str(exc).removeprefix("kv-canary: ")
-            where = "key full_to_swa_index_mapping: " if "full_to_swa" in text else ""
-            raise AuditError(f"{d.path}: {where}{text}") from None
         entries = _Entries(*(to_host(a)[:total].copy() for a in (
             verify_plan.verify_slot_indices, verify_plan.verify_prev_slot_indices,
             verify_plan.verify_expected_positions, verify_plan.verify_expected_tokens)))
-        batch_index = np.repeat(np.arange(begin, end, dtype=np.int64), lengths[begin:end])
+        batch_index = np.repeat(batch, live.lengths[begin:end])
         yield _Launch(int(d.launch_tag), verify_plan, entries, check_token, batch_index)
+
+
+def _piece_launches(d: Dump, launcher: _Launcher, b: int, total: int, chunk: int):
+    """One long request in pieces of ``chunk`` consecutive positions, each planned on the
+    host by the reference's per-entry rule (``kvcanary.plan`` plans whole prefixes only),
+    so no launch holds more than ``chunk`` entries however long the request claims to be."""
+    seq_len = int(d.seq_lens[b])
+    first = seq_len - total
+    check_token = d.expected_tokens is not None
+    valid_lens = None if not check_token else d.expected_tokens_valid_lens[b:b + 1]
+    for start in range(first, seq_len, chunk):
+        size = min(chunk, seq_len - start)
+        with _plan_errors(d):
+            slots, positions, prevs, tokens = verify_entries(
+                d.slot_table, d.block_size, d.full_to_swa_index_mapping,
+                d.req_pool_indices[b:b + 1], np.array([start], np.int64),
+                np.array([size], np.int64), size, d.expected_tokens, valid_lens, 0)
+        entries = _Entries(slots, prevs, positions, tokens)
+        yield _Launch(int(d.launch_tag), entries.plan(launcher.device), entries, check_token,
+                      np.full(size, b, dtype=np.int64))
+
+
+@contextmanager
+def _plan_errors(d: Dump):
+    """A plan refusal (an SWA slot outside the mapping) as an :class:`AuditError` naming
+    the dump."""
+    try:
+        yield
+    except ValueError as exc:
+        text = str(exc).removeprefix("kv-canary: ")
+        where = "key full_to_swa_index_mapping: " if "full_to_swa" in text else ""
+        raise AuditError(f"{d.path}: {where}{text}") from None
 
 
 def _sweep_launches(d: Dump, launcher: _Launcher, chunk: int):
@@ -488,23 +548,17 @@ def _match_outside(rows: np.ndarray, launch: _Launch) -> np.ndarray:
 
 
 def _match_shared(rows: np.ndarray, launch: _Launch, launcher: _Launcher) -> np.ndarray:
-    """Rows on slots several entries use: the candidates are re-checked on the host reference
-    in batches where every slot occurs once, so each predicted row names its entry."""
+    """Rows on slots several entries use: the candidates' rows are predicted on the host
+    reference in one pass (an entry's row depends on the entry alone, so each predicted row
+    names its entry) and matched by content."""
     e = launch.entries
     candidates = np.flatnonzero(np.isin(e.slots, np.unique(rows[:, 1])))
-    rank = _occurrence(e.slots[candidates], candidates)
-    predicted_rows, predicted_entries = [], []
-    for k in range(int(rank.max()) + 1):
-        batch = candidates[rank == k]
-        subset = _Entries(*(a[batch].copy() for a in (e.slots, e.prevs, e.positions, e.tokens)))
-        context = launcher.context(launch.tag, batch.size, host=True)
-        api.verify(context, subset.plan(np.asarray), check_expected_token=launch.check_token,
-                   backend="numpy")
-        got = context.violation_log.rows()
-        by_slot = np.argsort(subset.slots, kind="stable")
-        predicted_rows.append(got)
-        predicted_entries.append(batch[by_slot][np.searchsorted(subset.slots[by_slot], got[:, 1])])
-    return _match_rows(rows, np.concatenate(predicted_rows), np.concatenate(predicted_entries))
+    tokens = e.tokens[candidates] if launch.check_token else np.full(
+        candidates.size, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64)
+    context = launcher.context(launch.tag, 1, host=True)
+    failed, predicted = entry_rows(context, e.slots[candidates], e.positions[candidates],
+                                   e.prevs[candidates], tokens)
+    return _match_rows(rows, predicted, candidates[failed])
 
 
 def _occurrence(groups: np.ndarray, order_key: np.ndarray) -> np.ndarray:
@@ -517,15 +571,28 @@ def _occurrence(groups: np.ndarray, order_key: np.ndarray) -> np.ndarray:
     return rank
 
 
+def _row_groups(rows: np.ndarray) -> np.ndarray:
+    """A group id per row, equal for identical rows (``np.unique(axis=0)`` sorts the rows as
+    opaque bytes, many times slower than a lexsort of the columns)."""
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    starts = np.ones(order.size, dtype=np.int64)
+    starts[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    groups = np.empty(order.size, dtype=np.int64)
+    groups[order] = np.cumsum(starts) - 1
+    return groups
+
+
 def _match_rows(rows: np.ndarray, predicted: np.ndarray, entries: np.ndarray) -> np.ndarray:
     """For each ring row, the entry of an identical predicted row: the k-th copy of a row
     content (ring order) takes the k-th entry predicting it (entry order); -1 if none."""
     result = np.full(rows.shape[0], -1, dtype=np.int64)
     if predicted.shape[0] == 0:
         return result
+    if predicted.shape == rows.shape and np.array_equal(predicted, rows):
+        return entries.astype(np.int64, copy=True)   # rows in entry order (the reference's)
     n = rows.shape[0]
-    _, groups = np.unique(np.concatenate([rows, predicted]), axis=0, return_inverse=True)
-    groups = groups.reshape(-1).astype(np.int64)
+    groups = _row_groups(np.concatenate([rows, predicted]))
     span = max(n, predicted.shape[0]) + 1
     row_keys = groups[:n] * span + _occurrence(groups[:n], np.arange(n))
     predicted_keys = groups[n:] * span + _occurrence(groups[n:], entries)
@@ -616,10 +683,15 @@ class _Tally:
         rows_table = self.dump.req_pool_indices
         for head, tail in zip(heads.tolist(), tails.tolist()):
             b = int(batch[head])
-            self.requests.append(RequestSummary(
+            summary = RequestSummary(
                 batch_index=b, request_row=int(rows_table[b]), violations=tail - head + 1,
                 first_position=int(positions[failing[head]]),
-                last_position=int(positions[failing[tail]])))
+                last_position=int(positions[failing[tail]]))
+            if self.requests and self.requests[-1].batch_index == b:   # a long request's piece
+                earlier = self.requests.pop()
+                summary = replace(summary, violations=earlier.violations + summary.violations,
+                                  first_position=earlier.first_position)
+            self.requests.append(summary)
 
     def _finding(self, v: Violation, entry: int, launch: _Launch) -> Finding:
         d, e = self.dump, launch.entries
@@ -694,7 +766,7 @@ def _finding(v: Violation, kind: str, **where) -> Finding:
 # ------------------------------------------------------------ step 5: diagnose
 
 
-def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, lengths: np.ndarray,
+def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
               chunk: int) -> tuple:
     """Every kept finding with its :func:`~kvcanary.diagnosis.diagnose`; returns
     ``(findings, zero records among the live entries)``.
@@ -718,7 +790,7 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, lengths: np.ndarray,
     marked = np.zeros(d.num_slots, dtype=bool)
     marked[interest[(interest >= 0) & (interest < d.num_slots)]] = True
     parts, zero_entries, checked = [], 0, 0
-    launches = itertools.chain(_live_launches(d, launcher, lengths, chunk),
+    launches = itertools.chain(_live_launches(d, launcher, live, chunk),
                                _sweep_launches(d, launcher, chunk))
     for launch, failing in zip(launches, tally.failing_entries):
         e = launch.entries
@@ -809,8 +881,8 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         dump = load(dump)
     d = dump
     chosen = resolve_backend(backend)
-    lengths = _live_lengths(d)
-    live_entries = int(lengths.sum())
+    live = _live_requests(d)
+    live_entries = live.entries
     total_entries = live_entries + d.num_sweep_entries
     if total_entries == 0:
         raise AuditError(f"{d.path}: nothing to check: no live request has a written prefix "
@@ -842,7 +914,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     tally = _Tally(d, keep)
     chunk = max(1, int(chunk_entries))
     done = 0
-    launches = itertools.chain(_live_launches(d, launcher, lengths, chunk),
+    launches = itertools.chain(_live_launches(d, launcher, live, chunk),
                                _sweep_launches(d, launcher, chunk))
     for launch in launches:
         rows = _verify(launcher, launch)
@@ -858,7 +930,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         done += launch.size
         if progress:
             progress(done, total_entries)
-    tally.findings, result.zero_records = _diagnose(tally, d, launcher, lengths, chunk)
+    tally.findings, result.zero_records = _diagnose(tally, d, launcher, live, chunk)
     tally.fill(result)
     result.counts_by_cause = dict(sorted(Counter(
         f.diagnosis.cause for f in tally.findings).items()))

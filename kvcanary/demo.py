@@ -60,6 +60,10 @@ class DemoReport:
         return findings[0] if findings else None
 
 
+# The dumps ``run_demo`` writes into its ``workdir``.
+KEPT_DUMPS = ("clean.npz", "faulty.npz")
+
+
 def run_demo(*, mode: str = "all", seed: int = 0, backend: str = "auto",
              workdir: str | None = None, compat: bool = False, progress=None,
              **overrides) -> DemoReport:
@@ -68,12 +72,11 @@ def run_demo(*, mode: str = "all", seed: int = 0, backend: str = "auto",
         where = workdir or scratch
         os.makedirs(where, exist_ok=True)
         synthesis = Synthesis(config).run(progress=progress)
-        clean_path = os.path.join(where, "clean.npz")
+        clean_path, faulty_path = (os.path.join(where, name) for name in KEPT_DUMPS)
         save(clean_path, **synthesis.arrays())
         clean = audit(clean_path, backend=backend, compat=compat, max_findings=0)
         for kind, count in DEMO_FAULTS:
             synthesis.inject(kind, count)
-        faulty_path = os.path.join(where, "faulty.npz")
         save(faulty_path, **synthesis.arrays())
         faulty_dump = load(faulty_path)
         faulty = audit(faulty_dump, backend=backend, compat=compat, max_findings=0)

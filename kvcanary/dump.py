@@ -19,6 +19,8 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
+import stat
 import struct
 from dataclasses import dataclass, field
 
@@ -32,6 +34,7 @@ DUMP_VERSION = 1
 VERSION_KEY = "kvcanary_dump_version"
 STRING_KEYS = ("launch_tag", "real_kv_hash_mode")
 SYNTH_PREFIX = "synth_"
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_]+")
 
 # safetensors dtype names numpy can represent; others are read as raw bytes.
 _SAFETENSORS_NUMPY = {
@@ -87,7 +90,10 @@ class Dump:
 
     @property
     def table_positions(self) -> int:
-        """Positions a row of the slot table covers."""
+        """Positions a row of the slot table covers (0 for a table without rows: its width
+        is a claim no entry backs)."""
+        if self.slot_table.shape[0] == 0:
+            return 0
         return int(self.slot_table.shape[1]) * self.block_size
 
     def plan_table(self, convert=lambda array: array) -> dict:
@@ -167,6 +173,10 @@ def save(path, **arrays) -> str:
     name and renamed when complete, so an error or an interrupt leaves no part of it."""
     path = str(path)
     flavour = flavour_of(path)
+    for key in arrays:
+        if not _PLAIN_KEY.fullmatch(key):
+            raise DumpError(f"{path}: key {_shown(key)!r}: a key is a plain name (letters, "
+                            "digits, _): it names a file inside a directory dump")
     check_key_names(path, arrays)
     values = {VERSION_KEY: np.array(DUMP_VERSION, dtype=np.int64)}
     for key, value in arrays.items():
@@ -182,6 +192,19 @@ def save(path, **arrays) -> str:
         _require_safetensors(path)
     # Written under a temporary name and renamed when complete: an interrupt or an error
     # leaves the earlier dump at ``path`` (or nothing), never a part of the new one.
+    try:
+        _write(path, flavour, values)
+    except DumpError:
+        raise
+    except Exception as exc:   # a full disk, a file-size limit, an unwritable folder
+        if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+            raise
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _reason(exc)
+        raise DumpError(f"{path}: cannot write the dump ({reason})") from None
+    return path
+
+
+def _write(path: str, flavour: str, values: dict) -> None:
     if flavour == "npz":
         with replacing(path) as temporary, open(temporary, "wb") as handle:
             np.savez(handle, **values)
@@ -203,21 +226,23 @@ def save(path, **arrays) -> str:
                 tensors[key] = np.ascontiguousarray(array)
         with replacing(path) as temporary:
             safetensors.numpy.save_file(tensors, temporary, metadata=metadata or None)
-    return path
 
 
 def _check_replaceable_directory(path: str) -> None:
     """A directory dump replaces only nothing, an empty directory or an earlier dump (as a
-    whole); a directory holding anything else is refused, so no other file is lost."""
+    whole); a directory holding anything else (another file, a folder, a link) is refused,
+    so no other file is lost."""
+    shown, path = path, path.rstrip("/" + os.sep) or path   # "x.npz/" names the file x.npz
     if not os.path.lexists(path):
         return
     if not os.path.isdir(path):
-        raise DumpError(f"{path}: exists and is not a directory; a dump path without .npz or "
+        raise DumpError(f"{shown}: exists and is not a directory; a dump path without .npz or "
                         ".safetensors is written as a directory of .npy files")
     names = sorted(os.listdir(path))
     if not names:
         return
-    foreign = [name for name in names if not name.endswith(".npy")]
+    foreign = [name for name in names if not name.endswith(".npy")
+               or not stat.S_ISREG(os.lstat(os.path.join(path, name)).st_mode)]
     if foreign or f"{VERSION_KEY}.npy" not in names:
         raise DumpError(f"{path}: the directory holds files that are not a kvcanary dump "
                         f"({(foreign or names)[0]}); write the dump to an empty or new directory")
@@ -257,11 +282,15 @@ def _require_safetensors(path: str) -> None:
 # Bounds on what a container may make the loader allocate, checked before any allocation:
 # a deflated member cannot expand more than deflate's ~1032:1; all members together may
 # expand to at most MAX_NPZ_EXPANSION times the file (or MAX_NPZ_EXPANSION_FLOOR bytes,
-# whichever is larger); a safetensors JSON header is at most 100 MB (the format's own limit).
+# whichever is larger); a safetensors JSON header is at most 1 MiB (a dump's keys and
+# strings take a few kilobytes; parsing the format's own limit of 100 MB costs gigabytes).
 MAX_NPZ_EXPANSION = 256
 MAX_NPZ_EXPANSION_FLOOR = 256 << 20
 _DEFLATE_MAX_RATIO = 1032
-MAX_SAFETENSORS_HEADER = 100_000_000
+MAX_SAFETENSORS_HEADER = 1 << 20
+# Tokens per block of a paged dump: engines use up to a few hundred; a larger value would
+# let a few bytes of block table claim millions of positions to audit.
+MAX_BLOCK_SIZE = 1 << 16
 _NPY_MAGIC = b"\x93NUMPY"
 
 
@@ -320,6 +349,8 @@ def _read_npz(path: str) -> dict:
         for info in infos:
             name = info.filename.removesuffix(".npy")
             key = _shown(name)
+            if not _read_key(name):
+                continue
             try:
                 with archive.open(info) as member:
                     shape, dtype, header, nbytes = _npy_layout(member)
@@ -386,6 +417,10 @@ def _reason(exc: Exception) -> str:
     text = text[0] if text else type(exc).__name__
     if "allow_pickle" in text or "Object arrays" in text:
         return "object (pickled) arrays are refused"
+    if "malformed node or string" in text or "Cannot parse header" in text:
+        return "the .npy header cannot be parsed (not a literal Python dict)"
+    if "magic string is not correct" in text:   # (numpy's text echoes the file's bytes)
+        return "not a .npy file: it does not start with the .npy magic number"
     return text
 
 
@@ -407,18 +442,60 @@ def _refuse_a_folder_of_dumps(path: str) -> None:
             f"kvcanary audit {os.path.join(path, '*' + suffixes[0])}")
 
 
+# Reads of a directory dump that a concurrent save replaced midway, retried from the start.
+_DIR_READ_ATTEMPTS = 20
+
+
 def _read_dir(path: str) -> dict:
+    """Every ``.npy`` of one version of the directory: the files are opened through one
+    handle on the directory, and a read during which ``save`` swapped in a new version
+    (the old one may lose files as it is removed) starts again on the new one."""
+    for _ in range(_DIR_READ_ATTEMPTS):
+        try:
+            handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise DumpError(f"{path}: cannot list the dump directory ({exc.strerror})") from None
+        try:
+            held = os.fstat(handle)
+            through = f"/proc/self/fd/{handle}"
+            try:
+                values = _read_dir_files(path, through if os.path.isdir(through) else path)
+            except DumpError:
+                if _still_published(path, held):
+                    raise
+                continue
+            if _still_published(path, held):
+                return values
+        finally:
+            os.close(handle)
+    raise DumpError(f"{path}: the directory was replaced during every read; try again "
+                    "when it is no longer being written")
+
+
+def _still_published(path: str, held: os.stat_result) -> bool:
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _read_dir_files(path: str, through: str) -> dict:
     values = {}
     try:
-        names = sorted(os.listdir(path))
+        names = sorted(os.listdir(through))
     except OSError as exc:
         raise DumpError(f"{path}: cannot list the dump directory ({exc.strerror})") from None
     for name in names:
         if not name.endswith(".npy"):
             continue
-        raw_key, file = name[: -len(".npy")], os.path.join(path, name)
+        raw_key, file = name[: -len(".npy")], os.path.join(through, name)
         key, shown = _shown(raw_key), os.path.join(path, _shown(name))
         try:
+            _require_inside(path, through, name, shown, key)
+            _require_regular(file, shown, key)
+            if not _read_key(raw_key):
+                continue
             with open(file, "rb") as handle:
                 shape, dtype, header, nbytes = _npy_layout(handle)
             held = os.path.getsize(file) - header
@@ -451,6 +528,8 @@ def _read_safetensors(path: str) -> dict:
                 if key != "__metadata__":
                     values[key] = np.array(value)
             for key in handle.keys():
+                if not _read_key(key):
+                    continue
                 info = header[key]
                 if info["dtype"] in _SAFETENSORS_NUMPY:
                     values[key] = handle.get_tensor(key)
@@ -470,10 +549,14 @@ def _safetensors_header(path: str) -> tuple:
             raise DumpError(f"{path}: truncated .safetensors header")
         (length,) = struct.unpack("<Q", head)
         available = os.fstat(handle.fileno()).st_size - 8
-        if length > min(available, MAX_SAFETENSORS_HEADER):
+        if MAX_SAFETENSORS_HEADER < length <= available:
+            raise DumpError(f"{path}: the .safetensors header declares {length} bytes of JSON, "
+                            f"above the limit of {MAX_SAFETENSORS_HEADER} for a dump (its keys "
+                            "and strings take a few kilobytes)")
+        if length > available:
             raise DumpError(f"{path}: the .safetensors header declares {length} bytes of JSON "
-                            f"but the file holds {max(0, available)} after the length field "
-                            f"(limit {MAX_SAFETENSORS_HEADER}): truncated or corrupt")
+                            f"but the file holds {max(0, available)} after the length field: "
+                            "truncated or corrupt")
         header = json.loads(handle.read(length))
         if not isinstance(header, dict):
             raise DumpError(f"{path}: the .safetensors header is not a JSON object")
@@ -496,14 +579,47 @@ def _raw_tensor(path: str, header: dict, key: str) -> np.ndarray:
     return data.reshape(shape[:-1] + [nbytes // rows])
 
 
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _require_regular(path: str, shown: str, key: str | None = None) -> None:
+    """Refuse anything but a regular file before opening it: reading a FIFO or a device
+    would block forever or never end."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        where = f"{shown}: key {key}" if key is not None else shown
+        raise DumpError(f"{where}: is {_file_kind(mode)}, not a regular file; a dump holds "
+                        "regular files only")
+
+
+def _require_inside(path: str, through: str, name: str, shown: str, key: str) -> None:
+    """A link in a directory dump may name another file of the dump, nothing outside it."""
+    link = os.path.join(through, name)
+    if not os.path.islink(link):
+        return
+    target = os.path.realpath(link)
+    folder = os.path.realpath(through)
+    if os.path.dirname(target) != folder:
+        raise DumpError(f"{shown}: key {key}: is a link leaving the dump directory; a "
+                        "directory dump's files live in it")
+
+
 def read_raw(path) -> tuple[str, dict]:
     """``(flavour, {key: array})`` without validation."""
     path = str(path)
-    if not os.path.exists(path):
-        raise DumpError(f"{path}: no such file or directory")
+    try:
+        os.stat(path)
+    except OSError as exc:   # a missing file, a symbolic-link loop, an unsearchable folder
+        raise DumpError(f"{_shown(path)}: {(exc.strerror or 'cannot read').lower()}") from None
     if os.path.isdir(path):
         _refuse_a_folder_of_dumps(path)
         return "dir", _read_dir(path)
+    _require_regular(path, _shown(path))
     flavour = flavour_of(path)
     if flavour == "safetensors":
         return flavour, _read_safetensors(path)
@@ -636,6 +752,20 @@ INT64_KEYS = (VERSION_KEY, "req_pool_indices", "seq_lens", "real_kv_params", "sw
               "sweep_prev_slot_indices", "sweep_positions")
 
 
+# Keys the format defines (real_kv_* aside); synth_ keys carry a synthetic dump's ground
+# truth. A reader skips every other key without reading it (an ignored key that inflates to
+# gigabytes costs nothing).
+KNOWN_KEYS = frozenset({
+    VERSION_KEY, "canary", "req_to_token", "block_table", "block_size", "req_pool_indices",
+    "seq_lens", "launch_tag", "real_kv_params", "real_kv_hash_mode", "swa_window_size",
+    "full_to_swa_index_mapping", "expected_tokens", "expected_tokens_valid_lens",
+    "sweep_slot_indices", "sweep_prev_slot_indices", "sweep_positions"})
+
+
+def _read_key(key: str) -> bool:
+    return key in KNOWN_KEYS or key.startswith((REAL_KV_PREFIX, SYNTH_PREFIX, USER_KEY_PREFIX))
+
+
 def widen(values: dict) -> dict:
     """``values`` with the int64 keys' narrower integer arrays (int8..int32, uint8..uint32)
     as int64: every value fits, so nothing is lost. Other dtypes are left for the checker."""
@@ -712,7 +842,8 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     if tag is not None:
         name = c.string("launch_tag", tag).strip().upper()
         if name not in LaunchTag.__members__:
-            c.fail("launch_tag", f"unknown launch tag {name!r} (one of "
+            shown = name if len(name) <= 40 else name[:40] + "..."
+            c.fail("launch_tag", f"unknown launch tag {shown!r} (one of "
                                  f"{', '.join(LaunchTag.__members__)})")
         dump.launch_tag = LaunchTag[name]
 
@@ -747,6 +878,8 @@ def _load_slot_table(c: _Checker) -> tuple:
     block_size = c.scalar_int("block_size", c.get("block_size", required=True))
     if block_size < 1:
         c.fail("block_size", f"must be >= 1, got {block_size}")
+    if block_size > MAX_BLOCK_SIZE:
+        c.fail("block_size", f"must be at most {MAX_BLOCK_SIZE} tokens per block, got {block_size}")
     return None, table, block_size
 
 

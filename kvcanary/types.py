@@ -18,6 +18,7 @@ from .consts import (
     REAL_KV_ALIGN_BYTES,
     REAL_KV_PARTIAL_READ_BYTES,
     VIOLATION_FIELDS,
+    VIOLATION_WRITE_INDEX_MAX,
     RealKvHashMode,
 )
 
@@ -40,6 +41,12 @@ def check_source_count(count: int, bound: int,
                        raise_with: str = "CanaryContext(max_real_kv_sources=N)") -> None:
     """At most ``bound`` real-KV sources: the kernels take that many descriptors by value.
     ``raise_with`` says where the caller sets the bound."""
+    if count > bound and count > MAX_REAL_KV_SOURCES_LIMIT:   # no bound would help
+        raise ValueError(
+            f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "
+            f"got {count}\n(no kernel variant takes more than {MAX_REAL_KV_SOURCES_LIMIT} "
+            "sources: fingerprint fewer of the KV pool's pieces)"
+        )
     if count > bound:
         raise ValueError(
             f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "
@@ -60,6 +67,9 @@ class RealKvSource:
     own, so rows may be wider than the slots they pack. Slot ``s`` reads
     ``(s // page_size) * row_stride + (s % page_size) * num_bytes_per_token`` onwards.
 
+    A source is immutable once built (setting a field raises ``AttributeError``): its layout
+    is checked against the tensor once, here.
+
     A copy (``copy.deepcopy``, pickle) is a source over a copy of the producer's tensor, so an
     object graph copied whole keeps the producer's tensor and its source one buffer.
     """
@@ -71,6 +81,19 @@ class RealKvSource:
         self.page_size = int(page_size)
         self.num_bytes_per_token = int(num_bytes_per_token)
         self.read_bytes = int(read_bytes)
+        self._frozen = True
+
+    def __setattr__(self, name, value):
+        # Immutable once built: the layout was checked against the tensor here, and a launch
+        # reads exactly the bytes that layout names (a larger read_bytes set later made the
+        # kernels read past the tensor while the reference clamped).
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"kv-canary: RealKvSource is immutable (cannot set {name}); "
+                                 "build a new source for another layout")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        raise AttributeError(f"kv-canary: RealKvSource is immutable (cannot delete {name})")
 
     def __reduce__(self):
         # Copying the byte view alone would give it memory of its own (numpy copies a view as
@@ -230,6 +253,7 @@ class VerifyPlan:
             A.check_array(getattr(self, name), f"plan.{name}", _INT64, 1, capacity)
         A.check_array(self.verify_num_valid, "plan.verify_num_valid", _INT32, 1, 1)
         A.check_array(self.enable, "plan.enable", _INT32, 1, 1)
+        A.check_disjoint(self.arrays())
         self._passed = state
         self._library = A.common_library(*(getattr(self, n) for n in self.ARRAYS))
 
@@ -319,6 +343,7 @@ class WritePlan:
             )
         if not self._scratch_fits():  # the arrays were replaced after construction
             self._allocate_scratch()
+        A.check_disjoint(self.arrays())
         self._passed = [A.array_state(getattr(self, n)) for n in self.ARRAYS + self.SCRATCH]
         self._library = A.common_library(*(getattr(self, n) for n in self.ARRAYS))
 
@@ -388,6 +413,12 @@ class ViolationLog:
     @property
     def is_errored(self) -> bool:
         return self.total > 0
+
+    @property
+    def saturated(self) -> bool:
+        """The index reached ``2**31 - 1`` and stopped there (it never wraps to negative):
+        the total is a lower bound, and later violations store no row."""
+        return self.total == VIOLATION_WRITE_INDEX_MAX
 
     def clear(self) -> None:
         self.ring[...] = 0
@@ -519,8 +550,13 @@ class CanaryContext:
                 )
             if self.hashing:  # NONE mode never dereferences a source
                 source.check_row_width()
-        self._passed = state
         log = self.violation_log
+        A.check_disjoint({"canary_buf": buf, "violation_ring": log.ring,
+                          "violation_write_index": log.write_index,
+                          "slot_run_counter": self.slot_run_counter,
+                          "kernel_run_counter": self.kernel_run_counter,
+                          "enable_chain_position_assert": self.enable_chain_position_assert})
+        self._passed = state
         self._library = A.common_library(
             buf, log.ring, log.write_index, self.slot_run_counter, self.kernel_run_counter,
             self.enable_chain_position_assert, *(source.tensor for source in self.real_kv_sources))
@@ -539,7 +575,7 @@ class CanaryContext:
             A.array_state(self.slot_run_counter), A.array_state(self.kernel_run_counter),
             A.array_state(self.enable_chain_position_assert), self.real_kv_hash_mode,
             tuple((type(source), source.page_size, source.num_bytes_per_token,
-                   A.array_state(source.tensor))
+                   source.read_bytes, A.array_state(source.tensor))
                   for source in self.real_kv_sources),
         )
 

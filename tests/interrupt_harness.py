@@ -90,6 +90,10 @@ class _Reader(threading.Thread):
             return b"".join(self.chunks).decode("utf-8", "replace")
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(args, sig: int, ready: str, *, cwd, stderr_tty: bool = True,
               ready_on: str = "stderr", min_processes: int = 1) -> Stopped:
     """Start ``kvcanary ARGS`` in a new session, wait for ``ready`` (a regex) on its
@@ -104,8 +108,11 @@ def interrupt(args, sig: int, ready: str, *, cwd, stderr_tty: bool = True,
     else:
         err_read, err_write = os.pipe()
     out_read, out_write = os.pipe()
+    # The command starts with SIGINT at its default even when this test run ignores it
+    # (nohup, a background job): else an interrupt test would pass whatever workers do.
     process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                               stdout=out_write, stderr=err_write, start_new_session=True)
+                               stdout=out_write, stderr=err_write, start_new_session=True,
+                               preexec_fn=_sigint_default)
     os.close(out_write)
     os.close(err_write)
     streams = {"stdout": _Reader(out_read), "stderr": _Reader(err_read)}

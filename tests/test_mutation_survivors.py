@@ -104,14 +104,14 @@ def test_position_assert_follows_each_seeded_request_of_a_launch(kernels_behind_
 
 def test_audit_launches_stay_within_chunk_entries(tmp_path):
     """Requests are grouped into launches of at most ``chunk_entries`` entries (a longer
-    request alone); progress reports the entries done after each launch."""
+    request in pieces of that many); progress reports the entries done after each launch."""
     from kvcanary.audit import audit
     from kvcanary.dump import load, save
     from test_request_boundaries import clean_batch_arrays  # lengths 4, 5, 0, 0, 3, 6
 
     dump = load(save(str(tmp_path / "d.npz"), **clean_batch_arrays()))
-    for chunk_entries, launches in [(5, [4, 9, 12, 18]), (9, [9, 18]), (8, [4, 12, 18]),
-                                    (1, [4, 9, 12, 18]), (100, [18])]:
+    for chunk_entries, launches in [(5, [4, 9, 12, 17, 18]), (9, [9, 18]), (8, [4, 12, 18]),
+                                    (1, list(range(1, 19))), (100, [18])]:
         done = []
         result = audit(dump, backend="numpy", chunk_entries=chunk_entries,
                        progress=lambda d, total: done.append((d, total)))

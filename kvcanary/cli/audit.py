@@ -17,9 +17,11 @@ from .common import (
     EXIT_CLEAN,
     EXIT_ERROR,
     EXIT_VIOLATIONS,
+    JOBS_RANGE,
     Progress,
     error_boundary,
     error_message,
+    printable,
     user_error,
 )
 from .interrupt import interrupted_record, on_interrupt
@@ -47,7 +49,8 @@ def run_audit(path: str, options: dict, progress=None, html: bool = False):
         message = user_error(exc)
         if message is None:
             raise
-        return "error", message if message.startswith(path) else f"{path}: {message}"
+        shown = printable(path)
+        return "error", message if message.startswith(shown) else f"{shown}: {message}"
 
 
 def _audit_for_report(path: str, options: dict, progress):
@@ -179,7 +182,7 @@ def _named(paths: list) -> str:
               help="text, or JSON Lines (config, violation..., summary; total for several).")
 @click.option("--compat", is_flag=True,
               help="Upstream's rules only: turn off kvcanary's SLOT_ZERO_IN_PREFIX extension.")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=DEFAULT_AUDIT_JOBS,
+@click.option("-j", "--jobs", type=JOBS_RANGE, default=DEFAULT_AUDIT_JOBS,
               show_default=True,
               help="Processes auditing several dumps at once (1: one after another in this "
                    "process, the fastest measured; benchmarks/bench_audit_jobs.py measures N).")

@@ -11,7 +11,7 @@ import click
 from kvcanary.audit import BACKENDS
 from kvcanary.campaign import DEFAULT_CLEAN_RUNS, DEFAULT_FAULTS_PER_KIND
 
-from .common import EXIT_CLEAN, EXIT_VIOLATIONS, SEED_RANGE, Progress, error_boundary, fail
+from .common import EXIT_CLEAN, EXIT_VIOLATIONS, JOBS_RANGE, SEED_RANGE, Progress, error_boundary, fail
 from .interrupt import interrupted_record, on_interrupt, unwritten
 
 
@@ -31,7 +31,7 @@ from .interrupt import interrupted_record, on_interrupt, unwritten
               default="text", show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the report to this file instead of stdout.")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
+@click.option("-j", "--jobs", type=JOBS_RANGE, default=None,
               help="Worker processes [default: CPU count].")
 @click.option("--layout", type=click.Choice(["per-token", "paged"]), default="per-token",
               show_default=True,

@@ -4,6 +4,8 @@ one line on stderr, exit 2, no traceback) and progress on stderr when it is a te
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import sys
 import time
 
@@ -16,6 +18,9 @@ from .interrupt import progressed
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
 ERROR_PREFIX = "kvcanary: error: "
 SEED_RANGE = click.IntRange(0, MAX_SEED)
+# -j: each worker is a process holding its own arrays; more than this is a typo, not a plan.
+MAX_JOBS = 256
+JOBS_RANGE = click.IntRange(1, MAX_JOBS)
 # Redraw a progress line at most this often (seconds).
 PROGRESS_INTERVAL_S = 0.1
 
@@ -25,8 +30,16 @@ def error_message(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     if isinstance(exc, OSError) and exc.filename:
         text = f"{exc.filename}: {exc.strerror or text}"
-    first = text.splitlines()[0]
-    return first.removeprefix("kv-canary: ")
+    # One line whatever the text holds: a newline (in a path, say) joins rather than cuts the
+    # reason off, and other control characters are shown escaped, never sent raw.
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return printable(line).removeprefix("kv-canary: ")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\n``, ``\\x1b``)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def user_error(exc: BaseException) -> str | None:
@@ -40,6 +53,29 @@ def user_error(exc: BaseException) -> str | None:
     return None
 
 
+# What writing to a full disk, past a file-size limit or into a closed pipe raises.
+OUTPUT_ERRNOS = (errno.EPIPE, errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO)
+
+
+def output_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is standard output failing: a write error that names no file (the
+    library names the file of every dump or report it writes)."""
+    return isinstance(exc, OSError) and exc.filename is None and exc.errno in OUTPUT_ERRNOS
+
+
+def end_output(exc: OSError) -> None:
+    """Stop after standard output failed: quietly for a closed pipe, else one line naming
+    it; exit 2 either way. What stdout still buffers goes nowhere, so the interpreter's
+    final flush cannot fail again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    if isinstance(exc, BrokenPipeError):
+        sys.exit(EXIT_ERROR)
+    fail(f"standard output: {exc.strerror or exc}")
+
+
 def fail(message: str) -> None:
     click.echo(f"{ERROR_PREFIX}{message}", err=True)
     sys.exit(EXIT_ERROR)
@@ -51,6 +87,8 @@ def error_boundary():
     try:
         yield
     except Exception as exc:
+        if output_failed(exc):
+            end_output(exc)
         message = user_error(exc)
         if message is None:
             raise

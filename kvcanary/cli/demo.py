@@ -12,7 +12,7 @@ from kvcanary.synth import MODES
 from kvcanary.violations import reason_labels
 
 from .common import (EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS, SEED_RANGE, Progress,
-                     error_boundary)
+                     error_boundary, fail)
 
 
 @click.command("demo")
@@ -23,12 +23,14 @@ from .common import (EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS, SEED_RANGE, Progre
 @click.option("--seed", type=SEED_RANGE, default=0, show_default=True)
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="Keep the clean and faulty dumps in this directory.")
+@click.option("--force", is_flag=True,
+              help="With --keep: overwrite clean.npz and faulty.npz already in the directory.")
 @click.option("--compat", is_flag=True, help="Audit with upstream's rules only.")
 @click.option("--engine", type=click.Choice(["transformers"]), default=None,
               help="Guard a real engine instead: a tiny random Llama generates through "
                    "transformers' continuous batching, clean and with a fault injected into "
                    "the engine (needs kvcanary[transformers]).")
-def demo_command(mode, backend, seed, keep, compat, engine):
+def demo_command(mode, backend, seed, keep, force, compat, engine):
     """Synthesise a workload, audit it clean, inject every fault kind, audit again.
 
     Exit 0 only when the clean audit has no violation and every fault the canary can see in
@@ -36,8 +38,11 @@ def demo_command(mode, backend, seed, keep, compat, engine):
     when the clean run has no finding and the injected fault is found at its request."""
     if engine is not None:
         _engine_demo(engine, seed)
-    from kvcanary.demo import DEMO_CONFIG, group_notes, run_demo
+    from kvcanary.demo import DEMO_CONFIG, KEPT_DUMPS, group_notes, run_demo
 
+    for name in KEPT_DUMPS if keep and not force else ():
+        if os.path.lexists(os.path.join(keep, name)):
+            fail(f"--keep {keep}: {name} exists there; pass --force to overwrite it")
     c = DEMO_CONFIG
     click.echo(f"kvcanary demo: {c['requests']} requests over {c['num_slots']} slots, "
                f"{c['sources']} real-KV sources of {c['bytes_per_token']} bytes per token in "

@@ -45,8 +45,11 @@ def unwritten(what: str):
     """Inside the block an interrupt leaves ``what`` unwritten; the line says so."""
     try:
         yield
-    except Interrupted:
-        _activity.unwritten.append(what)
+    except Interrupted as exc:
+        if exc.output_written:   # it landed just after the output was put in place
+            exc.output_written = False
+        else:
+            _activity.unwritten.append(what)
         raise
 
 

@@ -9,6 +9,7 @@ import kvcanary
 
 from .audit import audit_command
 from .campaign import campaign_command
+from .common import end_output, output_failed
 from .demo import demo_command
 from .explain import explain_command
 from .interrupt import interruptible
@@ -16,7 +17,19 @@ from .smoke import smoke
 from .synth import synth_command
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    """The command group; standard output failing ends any command the same way."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            if output_failed(exc):
+                end_output(exc)
+            raise
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(kvcanary.__version__, prog_name="kvcanary")
 def main() -> None:
     """kvcanary: catch silent KV-cache corruption with SGLang-compatible KV canaries."""

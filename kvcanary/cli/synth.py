@@ -70,6 +70,11 @@ def check_out(out: str, force: bool) -> None:
     """Refuse to overwrite an existing file or to write into a non-empty directory unless
     ``--force`` is given."""
     target = out.rstrip("/") or out
+    folder = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(folder):   # found now, not after the whole simulation
+        fail(f"OUT {out}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        fail(f"OUT {out}: the folder {folder} is not writable")
     if os.path.isdir(target):
         if os.listdir(target) and not force:
             fail(f"OUT {out}: the directory is not empty; pass --force to replace the dump "

@@ -63,17 +63,24 @@ def verify_reference(context, plan, *, check_expected_token: bool) -> None:
     if active == 0:
         return
     context.slot_run_counter[0] += active  # slot-0 entries are counted too
-
-    fields = canary_fields(context.canary_buf)
-    num_slots = fields.shape[0]
-    slot = plan.verify_slot_indices[:active]
-    expected_position = plan.verify_expected_positions[:active]
-    prev = plan.verify_prev_slot_indices[:active]
     if check_expected_token:
         expected_token = plan.verify_expected_tokens[:active]
     else:
         expected_token = np.full(active, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64)
+    _, rows = entry_rows(context, plan.verify_slot_indices[:active],
+                         plan.verify_expected_positions[:active],
+                         plan.verify_prev_slot_indices[:active], expected_token)
+    if rows.shape[0]:
+        commit_rows(context.violation_log, rows)
 
+
+def entry_rows(context, slot, expected_position, prev, expected_token) -> tuple:
+    """``(failed, rows)``: the indices of the entries that fail their checks and the ring row
+    each produces (``int64[len(failed), 8]``, in entry order). An entry's row depends on the
+    entry and the buffer alone, so entries may share slots; nothing is written."""
+    active = slot.shape[0]
+    fields = canary_fields(context.canary_buf)
+    num_slots = fields.shape[0]
     record = load_records(fields, slot)
     stored_token, stored_position = record[:, 0], record[:, 1]
     stored_prev_hash = np.ascontiguousarray(record[:, 2])
@@ -100,10 +107,8 @@ def verify_reference(context, plan, *, check_expected_token: bool) -> None:
     bits[slot == TOKEN_TO_KV_SLOT_PADDING] = 0  # unfilled: skipped
 
     failed = np.flatnonzero(bits)
-    if failed.size == 0:
-        return
     out = slot_out[failed]
-    commit_rows(context.violation_log, violation_rows(
+    return failed, violation_rows(
         context.kernel_kind,
         slot[failed],
         np.where(out, expected_position[failed], stored_position[failed]),
@@ -113,4 +118,4 @@ def verify_reference(context, plan, *, check_expected_token: bool) -> None:
         np.where(out | (source_out[failed] & ~prev_out[failed]), slot[failed],
                  np.where(prev_out[failed], prev[failed], chain[failed])),
         bits[failed],
-    ))
+    )

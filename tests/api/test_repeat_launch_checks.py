@@ -52,7 +52,12 @@ CHANGES = {  # name: change to (context, verify plan, write plan)
     "counter read-only": lambda c, v, w: set_read_only(c.kernel_run_counter),
     "log replaced": lambda c, v, w: setattr(c, "violation_log", kc.ViolationLog(
         np.zeros((4, 7), np.int64), np.zeros(1, np.int32))),
-    "source layout changed": lambda c, v, w: setattr(c.real_kv_sources[1], "page_size", 2),
+    # (a source is immutable: another layout over the same tensor is a new source)
+    "source layout changed": lambda c, v, w: setattr(c, "real_kv_sources", (
+        c.real_kv_sources[0], kc.RealKvSource(
+            c.real_kv_sources[1].tensor, page_size=2,
+            num_bytes_per_token=c.real_kv_sources[1].num_bytes_per_token,
+            read_bytes=c.real_kv_sources[1].read_bytes))),
     "source replaced": lambda c, v, w: setattr(c, "real_kv_sources", (  # rows too narrow
         c.real_kv_sources[0], kc.RealKvSource(np.zeros((32, 16), np.uint8), page_size=2,
                                               num_bytes_per_token=16, read_bytes=16))),

@@ -168,7 +168,7 @@ def test_demo(sig, tmp_path):
     (tmp_path / "kept").mkdir()
     earlier_dump(tmp_path / "kept" / "clean.npz")
     before = snapshot(tmp_path)
-    stopped = interrupt(["demo", "--backend", "numpy", "--keep", "kept"], sig,
+    stopped = interrupt(["demo", "--backend", "numpy", "--keep", "kept", "--force"], sig,
                         PROGRESS, cwd=tmp_path)
     assert_clean_stop(stopped, sig, r"kvcanary: demo interrupted by SIG "
                                     r"\(synth: [^()]+: \d+/48\)")

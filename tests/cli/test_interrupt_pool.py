@@ -72,8 +72,14 @@ def test_pool_kills_its_workers_when_the_caller_stops_early():
 
 
 def test_pool_workers_ignore_sigint_and_report_a_dead_worker():
-    with WorkerPool(2, start_method="spawn") as pool:
-        assert list(pool.map(signal.getsignal, [signal.SIGINT] * 2)) == [signal.SIG_IGN] * 2
+    # A test run started with SIGINT ignored (nohup, a background job) would hand that to
+    # the workers, and the check would pass whatever they do: start them from a handler.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with WorkerPool(2, start_method="spawn") as pool:
+            assert list(pool.map(signal.getsignal, [signal.SIGINT] * 2)) == [signal.SIG_IGN] * 2
+    finally:
+        signal.signal(signal.SIGINT, before)
     with WorkerPool(2, start_method="spawn") as pool:
         (outcome,) = pool.map(os._exit, [3], failed=lambda task, exc: ("failed", task))
     assert outcome == ("failed", 3)

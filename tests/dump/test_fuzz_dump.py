@@ -291,12 +291,30 @@ def hostile_corpus(directory: Path) -> dict:
                                                        allow_pickle=True)})
     dump_dir("dir_truncated", {"canary.npy": npy_bytes(arrays["canary"])[:90]})
     dump_dir("dir_garbage", {"req_to_token.npy": b"\x93NUMPY\x01\x00" + b"\xff" * 40})
+    dump_dir("dir_bad_magic", {"seq_lens.npy": b"SECRET=hunter2\n"})
     # A valid file holding a corrupt value: 4M positions past an 8-column table used to make
     # the audit enumerate them all (minutes; 2**26 and up ran out of memory).
     dump_dir("dir_seq_len_flip", {"seq_lens.npy": npy_bytes(np.array([6 | 1 << 22, 4]))})
     # A code point past U+10FFFF: numpy used to hand back a string with a deferred SystemError.
     dump_dir("dir_bad_unicode", {"launch_tag.npy": npy_bytes(np.array("TAIL_K_FULL")).replace(
         b"K\x00\x00\x00", b"K\x00\x00\x01")})
+
+    # Few bytes claiming much: a table without rows but 2**40 columns, a block of 2**20
+    # tokens behind four block-table entries (each used to cost about a gigabyte).
+    npz("wide_empty_table", dict(base, **{
+        "req_to_token.npy": npy_bytes(np.zeros((0, 1 << 40), np.int32)),
+        "seq_lens.npy": npy_bytes(np.full(arrays["seq_lens"].shape, 1 << 20, np.int64))}))
+    paged = {k: v for k, v in base.items() if k != "req_to_token.npy"}
+    npz("paged_huge_block", dict(paged, **{
+        "block_table.npy": npy_bytes(np.ones((arrays["req_to_token"].shape[0], 1), np.int32)),
+        "block_size.npy": npy_bytes(np.array(1 << 20, np.int64)),
+        "seq_lens.npy": npy_bytes(np.full(arrays["seq_lens"].shape, 1 << 21, np.int64))}))
+    dump_dir_outside = directory / "dir_link_outside"
+    save(dump_dir_outside, **arrays)
+    (directory / "outside.npy").write_bytes((dump_dir_outside / "seq_lens.npy").read_bytes())
+    (dump_dir_outside / "seq_lens.npy").unlink()
+    (dump_dir_outside / "seq_lens.npy").symlink_to(directory / "outside.npy")
+    corpus["dir_link_outside"] = str(dump_dir_outside)
 
     good = Path(save(directory / "good.safetensors", **arrays)).read_bytes()
     (length,) = struct.unpack("<Q", good[:8])
@@ -315,6 +333,9 @@ def hostile_corpus(directory: Path) -> dict:
     st_file("st_json_list", struct.pack("<Q", 2) + b"[]" + good[8 + length:])
     st_file("st_truncated", good[: 8 + length + 10])
     st_file("st_empty", b"")
+    big = (b'{"__metadata__":{"synth_note":"' + b"x" * (2 << 20) + b'"},'
+           + header[1:])
+    st_file("st_big_header", struct.pack("<Q", len(big)) + big + good[8 + length:])
     return corpus
 
 
@@ -363,9 +384,14 @@ def test_hostile_files_exit_2_with_one_sentence_in_bounded_memory(corpus):
     ("dir_huge_shape", "declares shape (1099511627776,)"), ("dir_pickled", "object"),
     ("dir_seq_len_flip", "seq_lens[0] = 4194310 is more than twice req_to_token's width 8"),
     ("dir_bad_unicode", "key launch_tag: holds an invalid string"),
-    ("control_name", "key \\n"),
+    ("control_name", "key canary: missing"),   # the renamed member is an ignored key now
     ("st_huge_length", "declares 1099511627776 bytes of JSON"),
     ("st_json_list", "not a JSON object"),
+    ("wide_empty_table", "is outside req_to_token, which has 0 rows"),
+    ("paged_huge_block", "key block_size: must be at most 65536"),
+    ("dir_link_outside", "key seq_lens: is a link leaving the dump directory"),
+    ("dir_bad_magic", "not a .npy file: it does not start with the .npy magic number"),
+    ("st_big_header", "above the limit of 1048576"),
 ])
 def test_hostile_files_are_refused_for_the_right_reason_without_allocating(corpus, label,
                                                                            fragment):

@@ -36,6 +36,14 @@ inline T atomicAdd(T* address, T value) {
   return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
 }
 
+// atomicCAS returns the old value; ``value`` is stored only when the old one was ``compare``.
+template <class T>
+inline T atomicCAS(T* address, T compare, T value) {
+  __atomic_compare_exchange_n(address, &compare, value, false, __ATOMIC_SEQ_CST,
+                              __ATOMIC_SEQ_CST);
+  return compare;
+}
+
 // atomicMax returns the old value.
 template <class T>
 inline T atomicMax(T* address, T value) {

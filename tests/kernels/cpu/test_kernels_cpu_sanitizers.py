@@ -16,7 +16,7 @@ from kernel_harness.fixtures import NO_COMPILER
 TESTS = Path(__file__).resolve().parents[2]
 SUBSET = ["kernels/cpu/test_kernels_cpu_out_of_range.py",
           "kernels/cpu/test_kernels_cpu_properties.py", "kernels/cpu/test_kernels_cpu_plan.py",
-          "reference/test_paged_plan.py"]
+          "reference/test_paged_plan.py", "reference/test_ring_saturation.py"]
 
 
 def asan_runtime(cxx: str) -> str | None:
