@@ -11,6 +11,7 @@ import click
 
 from kvcanary import MAX_REAL_KV_SOURCES, MAX_REAL_KV_SOURCES_LIMIT
 from kvcanary.audit import BACKENDS, DEFAULT_MAX_FINDINGS
+from kvcanary.interrupt import signals_held
 
 from .common import (
     ERROR_PREFIX,
@@ -214,16 +215,20 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findin
             if html:
                 value = _keep_section(sections, path, status, value)
             totals.add(path, status, value)
-            if status == "error":
-                click.echo(f"{ERROR_PREFIX}{value}", err=True)
-                if fmt == "json":
-                    click.echo(json.dumps({"record": "error", "dump": path, "message": value}))
-                code = EXIT_ERROR
-            else:
-                (render_json if fmt == "json" else render_text)(value, click.echo)
-                if not value.clean and code == EXIT_CLEAN:
-                    code = EXIT_VIOLATIONS
-            reported += 1
+            # held: an interrupt between a dump's last record and the count would report
+            # one dump fewer than the output holds
+            with signals_held():
+                if status == "error":
+                    click.echo(f"{ERROR_PREFIX}{value}", err=True)
+                    if fmt == "json":
+                        click.echo(json.dumps({"record": "error", "dump": path,
+                                               "message": value}))
+                    code = EXIT_ERROR
+                else:
+                    (render_json if fmt == "json" else render_text)(value, click.echo)
+                    if not value.clean and code == EXIT_CLEAN:
+                        code = EXIT_VIOLATIONS
+                reported += 1
     if len(dumps) > 1:
         click.echo(json.dumps(totals.record()) if fmt == "json" else totals.line())
     if html:
