@@ -165,6 +165,26 @@ def _slot_zero(swa: bool) -> str:
             "free)")
 
 
+def _write_input(v: Violation, entry: Entry) -> str:
+    """A write row: ``position`` is the position id the forward used, ``expected_aux`` the
+    position expected (from the caller, or one past the chain seed's record). With the
+    entry's expected position known (an engine's own write launch) it says which."""
+    generic = ("the forward consumed different input tokens or positions than expected "
+               "(write-path check)")
+    if entry.kind != "request" or entry.position < 0:
+        return generic
+    p = entry.position
+    if v.fail_reason_bits & int(FailReason.WRITE_POSITION_MISMATCH):
+        if v.position == p:
+            return (f"the position id {p} is right, but the record before it (this write's "
+                    f"chain seed) holds position {v.expected_aux - 1}: an earlier write of "
+                    "this request was lost, misplaced or mis-positioned")
+        return (f"position ids off: the token at position {p} was written with position id "
+                f"{v.position}")
+    return (f"the forward's input id {v.stored_token} at position {p} is not the request's "
+            f"token {v.expected_token}")
+
+
 def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None = None, *,
              num_slots: int = 0, swa: bool = False, table: str = "req_to_token",
              swapped_with=None, tables=None) -> Diagnosis:
@@ -189,8 +209,7 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
     if bits & _ZERO_SLOT:
         return Diagnosis("slot-zero", _slot_zero(swa))
     if bits & _WRITE:
-        return Diagnosis("write-input", "the forward consumed different input tokens or "
-                                        "positions than expected (write-path check)")
+        return Diagnosis("write-input", _write_input(v, entry))
     zero = v.stored_token == 0 and v.position == 0 and v.stored_chain_hash == 0
     if zero and bits & (_CHAIN | _POSITION | _TOKEN):
         if evidence is not None and evidence.zero_share > WRONG_BUFFER_SHARE:

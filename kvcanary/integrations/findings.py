@@ -38,7 +38,6 @@ SHARED_CAUSES = ("out-of-range", "slot-zero")
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
 _REAL_KV = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
 _WRITE_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
-_WRITE_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
 
 
 class Sighting(NamedTuple):
@@ -159,17 +158,10 @@ def explain(sighting: Sighting, ev: EngineEvidence) -> str:
                 f"{victim} instead of its own slot {ev.table_slot}")
     if sighting.diagnosis is not None and sighting.diagnosis.cause in SHARED_CAUSES:
         return sighting.diagnosis.text
-    if violation is not None and bits & (_WRITE_POSITION | _WRITE_TOKEN):
-        if bits & _WRITE_POSITION and violation.position == ev.position:
-            return (f"the position id {ev.position} is right, but the record before it (this "
-                    f"write's chain seed) holds position {violation.expected_aux - 1}: an "
-                    f"earlier write of {ev.request_id} was lost, misplaced or mis-positioned")
-        if bits & _WRITE_POSITION:
-            return (f"position ids off: the engine wrote {ev.request_id}'s token at position "
-                    f"{ev.position} with position id {violation.position} (the slot is "
-                    "right, the position id is not)")
-        return (f"the engine's input id {violation.stored_token} for {ev.request_id} position "
-                f"{ev.position} is not the request's token {violation.expected_token}")
+    if sighting.diagnosis is not None and sighting.diagnosis.cause == "write-input":
+        # No write index check failed with it: the write went where the block table says.
+        return (f"{ev.request_id}: {sighting.diagnosis.text} (written to the slot the block "
+                "table maps)")
     if bits == _REAL_KV:
         return (f"the KV bytes of {at} ({ev.sources}) changed after they were written; the "
                 "record still matches token, position and chain: the KV tensor was "

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from ... import api
-from ...attribution import attribute
+from ...attribution import LaunchFinding, attribute
 from ...consts import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, LaunchTag, RealKvHashMode
+from ...diagnosis import Entry, diagnose, failed_checks
 from ...types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan, to_host
 from ...violations import Violation
 from ..findings import (
@@ -303,7 +304,11 @@ class _Session:
             key = (int(owners[e]), int(expected_positions[e]), int(row[1]))
             event = events.setdefault(key, [0, None, set()])
             event[0] |= int(row[7])
-            event[1] = Violation.from_row(row) if event[1] is None else event[1]
+            if event[1] is None:     # the write row as the shared core explains it
+                v = Violation.from_row(row)
+                entry = Entry(batch_index=key[0], request_row=key[0] + 1, position=key[1])
+                event[1] = LaunchFinding(v, entry, failed_checks(v.fail_reason_bits),
+                                         diagnose(v, entry), self.step)
         # Who wrote each slot (findings name the writer) and where each request wrote.
         keys = list(zip(owners.tolist(), expected_positions.tolist()))
         followed = (written == table).tolist()
@@ -335,8 +340,8 @@ class _Session:
     def _record(self, events: dict, batch, written=None, engine_positions=None) -> None:
         """Turn one launch's events ``(batch index, position, slot) -> [bits, first row,
         guard checks]`` into sightings and merge them; each new finding is explained (once)
-        and reported. The first row is a :class:`~kvcanary.LaunchFinding` for a verify row,
-        a :class:`~kvcanary.Violation` for a write row, None for a guard check alone.
+        and reported. The first row is a :class:`~kvcanary.LaunchFinding` (verify or write
+        row), None for a guard check alone.
         ``written``/``engine_positions``: the write launch's slot and position id of each
         ``(batch index, position)``."""
         g = self.guard
@@ -344,8 +349,8 @@ class _Session:
         for (i, position, slot), (bits, first, checks) in events.items():
             sighting = Sighting(batch[i].rec.request_id, position, slot, slot // self.page,
                                 row_reasons(bits, sorted(checks)),
-                                getattr(first, "violation", first), self.step,
-                                getattr(first, "diagnosis", None))
+                                None if first is None else first.violation, self.step,
+                                None if first is None else first.diagnosis)
             sightings.append(sighting)
             batch_index[sighting.key()] = i
         for found in g.merger.add(sightings):
