@@ -167,7 +167,8 @@ def test_engine_rows_map_back_to_request_and_position_and_merge_across_launches(
         kc.verify(context, vp)
         found = kc.attribute(context, vp, req_pool_indices=i64([1, 2]), prefix_lens=i64([4, 4]),
                              since=before, launch=step)
-        merger.add(found)
+        new = merger.add(found)
+        assert len(new) == (len(found) if step == 0 else 0)   # each corruption reported once
     by_position = {f.entry.position: f for f in found}
     alias = by_position[2]
     assert (alias.entry.request_row, alias.entry.batch_index) == (2, 1)
