@@ -18,9 +18,8 @@ Example, after a ``kvcanary.verify`` of ``verify_plan`` built for the batch
         found = kvcanary.attribute(context, verify_plan, req_pool_indices=rows,
                                    prefix_lens=prefix, since=before, launch=step)
         before = context.violation_log.total
-        merger.add(found)
-        for finding in found:
-            logger.warning(finding.log_line())   # the frozen line, then "  at: ..."
+        for merged in merger.add(found):         # each distinct corruption once
+            logger.warning(merged.finding.log_line())   # the frozen line, then "  at: ..."
     report = merger.findings   # one MergedFinding per distinct corruption
 """
 
@@ -40,6 +39,7 @@ from .types import to_host
 from .violations import Violation
 
 _OUT = int(FailReason.SLOT_OUT_OF_RANGE)
+_POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)
 
 
 @dataclass(frozen=True)
@@ -172,8 +172,9 @@ def _blocks(table, block_size: int, row: int, position: int) -> dict:
 
 def _match(rows, slots, prevs, positions, tokens, records) -> np.ndarray:
     """Entry index of each row (-1: none). Candidates read the row's slot; a row's expected
-    token, its expected chain link (verify rows) or its offending index and position
-    (out-of-range rows) single one out; equal candidates are taken in entry order."""
+    token, its expected chain link and whether its position check failed (verify rows) or
+    its offending index and position (out-of-range rows) single one out; equal candidates
+    are taken in entry order."""
     order = np.argsort(slots, kind="stable")
     sorted_slots = slots[order]
     claimed = np.zeros(slots.shape[0], dtype=bool)
@@ -192,6 +193,10 @@ def _match(rows, slots, prevs, positions, tokens, records) -> np.ndarray:
             candidates = candidates[keep]
         elif candidates.size > 1:
             candidates = candidates[_expected_links(prevs[candidates], records, row[5]) == row[6]]
+            # A row holds the stored position, not the expected one: an entry expecting the
+            # stored position passed that check, so it cannot have failed it (and vice versa).
+            failed_position = bool(row[7] & _POSITION)
+            candidates = candidates[(positions[candidates] != row[2]) == failed_position]
         free = candidates[~claimed[candidates]]
         pick = free if free.size else candidates
         if pick.size:
@@ -222,8 +227,8 @@ class MergedFinding:
     launch_tags: list = field(default_factory=list)
 
     @property
-    def violation(self) -> Violation:
-        return self.finding if isinstance(self.finding, Violation) else self.finding.violation
+    def violation(self) -> Violation | None:
+        return _violation(self.finding)
 
     def to_dict(self) -> dict:
         base = (self.finding.to_dict() if not isinstance(self.finding, Violation)
@@ -242,29 +247,50 @@ def merge_key(v: Violation) -> tuple:
 
 class Merger:
     """Folds repeated rows across launches into :class:`MergedFinding` objects, in order of
-    first appearance. Memory grows with the distinct corruptions, not with the rows."""
+    first appearance. Memory grows with the distinct corruptions, not with the rows.
 
-    def __init__(self):
+    ``key(finding)`` says which added findings are one: by default :func:`merge_key` of the
+    finding's violation; an engine that tells requests apart passes its own (e.g. request
+    id, position, slot and reasons, so that two requests reading one bad slot stay two
+    findings). ``kind`` is the type made for a new finding (a :class:`MergedFinding`
+    subclass, constructed as ``kind(finding, first_launch=label)``)."""
+
+    def __init__(self, key=None, kind=None):
+        self._key = key or (lambda finding: merge_key(_violation(finding)))
+        self._kind = kind or MergedFinding
         self._by_key: dict = {}
 
-    def add(self, findings, launch=None) -> None:
-        """Add one launch's findings (:class:`LaunchFinding` or :class:`Violation`);
-        ``launch`` labels them when they carry no label of their own."""
+    def add(self, findings, launch=None) -> list:
+        """Add one launch's findings (:class:`LaunchFinding`, :class:`Violation`, or
+        anything with ``violation`` (a Violation or None) and ``launch`` attributes);
+        ``launch`` labels them when they carry no label of their own. Returns the merged
+        findings this call created, so that a caller can report each problem once."""
+        new = []
         for finding in findings:
-            v = finding if isinstance(finding, Violation) else finding.violation
-            label = launch if isinstance(finding, Violation) or finding.launch is None \
-                else finding.launch
-            merged = self._by_key.get(merge_key(v))
+            v = _violation(finding)
+            own = None if isinstance(finding, Violation) else getattr(finding, "launch", None)
+            label = launch if own is None else own
+            key = self._key(finding)
+            merged = self._by_key.get(key)
             if merged is None:
-                merged = self._by_key[merge_key(v)] = MergedFinding(finding, first_launch=label)
+                merged = self._by_key[key] = self._kind(finding, first_launch=label)
+                new.append(merged)
             merged.count += 1
             merged.last_launch = label
-            if v.launch_tag not in merged.launch_tags:
+            if v is not None and v.launch_tag not in merged.launch_tags:
                 merged.launch_tags.append(v.launch_tag)
+        return new
+
+    def __len__(self) -> int:
+        return len(self._by_key)
 
     @property
     def findings(self) -> list:
         return list(self._by_key.values())
+
+
+def _violation(finding) -> Violation | None:
+    return finding if isinstance(finding, Violation) else finding.violation
 
 
 def merge_findings(findings) -> list:

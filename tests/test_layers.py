@@ -15,7 +15,7 @@ LAYERS = [
               "kernel_source", "interrupt", "atomic"]),
     ("backends", ["reference", "cuda"]),
     ("api", ["api", "transfer"]),
-    ("findings", ["diagnosis", "attribution"]),
+    ("findings", ["evidence", "diagnosis", "attribution"]),
     ("dump", ["dump"]),
     ("audit", ["audit", "explain"]),
     ("report", ["report"]),

@@ -6,6 +6,8 @@ Each engine has its own sub-module, which alone imports that engine's framework;
 * :mod:`kvcanary.integrations.transformers` -- Hugging Face transformers' continuous batching
   (``model.generate_batch``), on the CPU or a CUDA device.
 
-What every integration shares (findings merged across steps, their explanations) lives in
+Rows are attributed to requests and merged across steps by the shared core
+(:func:`kvcanary.attribute`, :class:`kvcanary.Merger`); what an integration adds to a
+finding (the engine's id of the request, the engine's evidence in the explanation) lives in
 :mod:`kvcanary.integrations.findings`. ``docs/engines.md`` is the recipe for another engine.
 """

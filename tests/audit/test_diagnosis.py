@@ -167,7 +167,8 @@ def test_engine_rows_map_back_to_request_and_position_and_merge_across_launches(
         kc.verify(context, vp)
         found = kc.attribute(context, vp, req_pool_indices=i64([1, 2]), prefix_lens=i64([4, 4]),
                              since=before, launch=step)
-        merger.add(found)
+        new = merger.add(found)
+        assert len(new) == (len(found) if step == 0 else 0)   # each corruption reported once
     by_position = {f.entry.position: f for f in found}
     alias = by_position[2]
     assert (alias.entry.request_row, alias.entry.batch_index) == (2, 1)
@@ -282,3 +283,17 @@ def test_engine_rows_on_a_slot_two_requests_share_go_to_both_requests():
     on_shared = [f for f in found if f.violation.slot_idx == 2]
     assert sorted(f.entry.request_row for f in on_shared) == [1, 2]
     assert {f.diagnosis.cause for f in on_shared} == {"link-changed"}
+
+
+def test_a_write_row_at_a_known_position_says_which_input_is_off():
+    from kvcanary.diagnosis import Entry, diagnose
+
+    position_bit = int(kc.FailReason.WRITE_POSITION_MISMATCH)
+    off = kc.Violation(2, 9, 39, 5, 5, 0, 38, position_bit)     # position id 39 at position 38
+    assert diagnose(off, Entry(position=38)).text.endswith("written with position id 39")
+    seed = kc.Violation(2, 9, 39, 5, 5, 0, 1, position_bit)     # right id, seed at position 0
+    assert "chain seed) holds position 0" in diagnose(seed, Entry(position=39)).text
+    token = kc.Violation(2, 9, 39, 7, 5, 0, 39, int(kc.FailReason.WRITE_TOKEN_MISMATCH))
+    assert "input id 7 at position 39 is not the request's token 5" in \
+        diagnose(token, Entry(position=39)).text
+    assert diagnose(off).cause == "write-input" and "write-path check" in diagnose(off).text

@@ -1,6 +1,6 @@
-"""The engine guards' shared findings logic (torch-free): ring rows attributed to plan
-entries also on shared slots, repeats merged, and the integrations package importable
-without torch."""
+"""The engine guards' findings (torch-free): ring rows attributed to plan entries by the
+shared core also on shared slots, sightings merged per request, and the integrations
+package importable without torch."""
 
 from __future__ import annotations
 
@@ -25,46 +25,72 @@ def _i64(v):
     return np.asarray(v, dtype=np.int64)
 
 
-def test_rows_on_a_shared_slot_go_to_the_entry_that_fails():
+def _shared_slot_launch(table):
+    """Request A (row 1) wrote tokens 5, 6, 7, 8 at slots 1..4; the plan verifies row 1's
+    four positions and row 2's ``table`` (both read some of A's slots)."""
     ctx = _ctx()
-    # Request A wrote tokens 5, 6 at slots 4, 5; request B's table maps its position 0 to
-    # slot 5 as well (shared), where B expects token 9 at position 0.
     wp = kc.WritePlan.allocate(1)
-    kc.plan(req_pool_indices=_i64([1]), prefix_lens=_i64([0]), extend_seq_lens=_i64([2]),
-            req_to_token=np.array([[0, 0], [4, 5]], np.int64),
-            verify_plan=kc.VerifyPlan.allocate(1), write_plan=wp)
-    kc.write(ctx, wp, input_ids=_i64([5, 6]), positions=_i64([0, 1]), out_cache_loc=_i64([4, 5]))
-    plan = kc.VerifyPlan.allocate(3)
-    kc.plan(req_pool_indices=_i64([1, 2]), prefix_lens=_i64([2, 1]), extend_seq_lens=_i64([0, 0]),
-            req_to_token=np.array([[0, 0], [4, 5], [5, 0]], np.int64), verify_plan=plan,
+    a = np.zeros((2, 4), np.int64)
+    a[1] = [1, 2, 3, 4]
+    kc.plan(req_pool_indices=_i64([1]), prefix_lens=_i64([0]), extend_seq_lens=_i64([4]),
+            req_to_token=a, verify_plan=kc.VerifyPlan.allocate(1), write_plan=wp)
+    kc.write(ctx, wp, input_ids=_i64([5, 6, 7, 8]), positions=_i64([0, 1, 2, 3]),
+             out_cache_loc=_i64([1, 2, 3, 4]))
+    both = np.zeros((3, 4), np.int64)
+    both[1], both[2, :len(table)] = [1, 2, 3, 4], table
+    plan = kc.VerifyPlan.allocate(8)
+    kc.plan(req_pool_indices=_i64([1, 2]), prefix_lens=_i64([4, len(table)]),
+            extend_seq_lens=_i64([0, 0]), req_to_token=both, verify_plan=plan,
             write_plan=kc.WritePlan.allocate(2))
     kc.verify(ctx, plan)
-    rows = ctx.violation_log.rows()
-    assert rows.shape[0] == 1                       # only B's entry (index 2) fails
-    arrays = {"slots": plan.verify_slot_indices, "tokens": plan.verify_expected_tokens,
-              "positions": plan.verify_expected_positions, "prevs": plan.verify_prev_slot_indices}
-    entry_of = F.attribute(rows, plan.verify_slot_indices.copy(),
-                           F.recheck_on_host(ctx, arrays, False))
-    assert entry_of.tolist() == [2]
+    return kc.attribute(ctx, plan, req_pool_indices=_i64([1, 2]),
+                        prefix_lens=_i64([4, len(table)]), launch=3)
 
 
-def test_repeats_merge_into_one_finding_with_first_last_and_count():
-    log = F.FindingLog()
-    row = kc.Violation(2, 7, 3, 1, 1, 0, 0, int(kc.FailReason.VERIFY_REAL_KV_HASH_MISMATCH))
-    made = []
+def test_a_row_on_a_shared_slot_goes_to_the_entry_that_fails():
+    # Row 2 reads A's slot 2 (A's position 1) as its own chain head, position 0.
+    found = _shared_slot_launch([2])
+    assert [(f.entry.request_row, f.entry.position) for f in found] == [(2, 0)]
+    assert found[0].launch == 3
 
-    def evidence():
-        made.append(1)
-        return F.Evidence("req_1", 3, 7, 7, sources="k0")
 
-    for step in (4, 5, 9):
-        log.add(step, "req_1", 3, 7, 0, ("verify_real_kv_hash",), row, evidence)
-    log.add(9, "req_2", 3, 7, 0, ("verify_real_kv_hash",), row, evidence)
-    first, second = log.all()
+def test_a_shared_slot_read_at_another_position_with_the_same_predecessor():
+    # Row 2 maps positions 2, 3 to A's slots 2, 3: its entry at position 3 reads slot 3 after
+    # slot 2, exactly as A's position 2 does (same token unknown, same expected chain link),
+    # and only the position tells them apart: A passes, row 2 fails.
+    found = _shared_slot_launch([11, 12, 2, 3])
+    at_slot_3 = [f for f in found if f.violation.slot_idx == 3]
+    assert [(f.entry.request_row, f.entry.position) for f in at_slot_3] == [(2, 3)]
+    assert at_slot_3[0].violation.fail_reason_bits == int(kc.FailReason.VERIFY_POSITION_MISMATCH)
+
+
+def _sighting(request_id, step, slot=7):
+    row = kc.Violation(2, slot, 3, 1, 1, 0, 0, int(kc.FailReason.VERIFY_REAL_KV_HASH_MISMATCH))
+    return F.Sighting(request_id, 3, slot, 0, ("verify_real_kv_hash",), row, step)
+
+
+def test_sightings_merge_per_request_with_first_last_and_count():
+    merger = kc.Merger(key=F.Sighting.key, kind=F.Finding)
+    new = [merger.add([_sighting("req_1", step)]) for step in (4, 5, 9)]
+    assert [len(n) for n in new] == [1, 0, 0]       # reported once, when first seen
+    # Another request reading the same bad slot is a finding of its own.
+    assert len(merger.add([_sighting("req_2", 9)])) == 1
+    first, second = merger.findings
     assert (first.first_step, first.last_step, first.count) == (4, 9, 3)
-    assert second.request_id == "req_2" and second.count == 1
-    assert len(made) == 2                            # explained once per finding
-    assert "changed after they were written" in first.explanation
+    assert (second.request_id, second.count, second.slot, second.block) == ("req_2", 1, 7, 0)
+    first.explanation = F.explain(first.finding, F.EngineEvidence("req_1", 3, 7, 7, sources="k0"))
+    assert "changed after they were written" in first.explanation and "(k0)" in first.explanation
+    assert first.to_dict()["reasons"] == ["verify_real_kv_hash"]
+    assert "steps 4..9 (3 times)" in first.describe()
+
+
+def test_an_index_outside_the_buffer_is_explained_by_the_shared_diagnosis():
+    found = _shared_slot_launch([20])                 # the buffer has 16 slots
+    assert [f.diagnosis.cause for f in found] == ["out-of-range"]
+    sighting = F.Sighting("req_2", 0, 20, 2, ("slot_out_of_range",), found[0].violation, 3,
+                          found[0].diagnosis)
+    text = F.explain(sighting, F.EngineEvidence("req_2", 0, 20, 20))
+    assert text == found[0].diagnosis.text and "outside the canary buffer" in text
 
 
 def test_integrations_import_without_torch():

@@ -1,0 +1,167 @@
+"""Where kvcanary hooks into transformers' continuous batching, and how it leaves again.
+
+While at least one guard is active, four engine methods are wrapped (each wrapper keeps the
+original as ``__wrapped__`` and hands the call to the session of the guarded model):
+
+* ``ContinuousBatchProcessor._generation_step``: plan and verify before the forward, the
+  write after it;
+* ``CacheAllocator.copy_blocks`` (forks): records are copied with the KV blocks;
+* ``OffloadingManager._offload_to_cpu`` and ``restore_scheduled_requests``: records leave
+  and come back with the KV.
+
+On the last guard's exit every attribute is restored exactly (one a class did not define
+itself is deleted again). transformers is imported only inside the functions here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:    # the guard module imports this one
+    from . import Guard
+
+# Versions whose continuous batching has the hook points and layout used here.
+SUPPORTED_VERSIONS = ((5, 20), (5, 24))   # first and last supported minor, inclusive
+SUPPORTED_RANGE = ">=5.20,<5.25"
+
+
+class GuardError(RuntimeError):
+    """A guard that cannot run (unsupported version or engine setup, bad argument), or, with
+    ``on_violation="raise"``, the first finding (``.finding``) that stopped the generation."""
+
+    def __init__(self, message: str, finding=None):
+        super().__init__(message)
+        self.finding = finding
+
+
+def supported_version(version: str) -> bool:
+    """Whether ``version`` (a transformers ``__version__``) lies in ``SUPPORTED_RANGE``."""
+    parts = version.split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return False
+    return SUPPORTED_VERSIONS[0] <= major_minor <= SUPPORTED_VERSIONS[1]
+
+
+class _Hooks:
+    """The class attributes kvcanary replaces while at least one guard is active, restored
+    exactly (an attribute a class did not define itself is deleted again)."""
+
+    lock = threading.Lock()
+    active: dict = {}      # id(model) -> Guard
+    saved: list = []       # (owner, name, had_own, original)
+
+    @classmethod
+    def targets(cls):
+        from transformers.generation.continuous_batching import cache_allocators as ca
+        from transformers.generation.continuous_batching import continuous_api as api
+        from transformers.generation.continuous_batching import offloading_manager as om
+
+        return (
+            (api.ContinuousBatchProcessor, "_generation_step", _generation_step_hook),
+            (ca.CacheAllocator, "copy_blocks", _copy_blocks_hook),
+            (om.OffloadingManager, "_offload_to_cpu", _offload_hook),
+            (om.OffloadingManager, "restore_scheduled_requests", _restore_hook),
+        )
+
+    @classmethod
+    def add(cls, g: "Guard") -> None:
+        with cls.lock:
+            if id(g.model) in cls.active:
+                raise GuardError("kvcanary: this model is already guarded (one guard per model "
+                                 "at a time)")
+            if not cls.active:
+                targets = cls.targets()
+                for owner, name, _ in targets:
+                    if not callable(getattr(owner, name, None)):
+                        raise GuardError(f"kvcanary: transformers lacks {owner.__name__}.{name}; "
+                                         f"supported: transformers{SUPPORTED_RANGE}")
+                for owner, name, hook in targets:
+                    original = getattr(owner, name)
+                    cls.saved.append((owner, name, name in owner.__dict__,
+                                      owner.__dict__.get(name)))
+                    setattr(owner, name, hook(original))
+            cls.active[id(g.model)] = g
+
+    @classmethod
+    def remove(cls, g: "Guard") -> None:
+        with cls.lock:
+            cls.active.pop(id(g.model), None)
+            if cls.active:
+                return
+            while cls.saved:
+                owner, name, had_own, original = cls.saved.pop()
+                if had_own:
+                    setattr(owner, name, original)
+                else:
+                    delattr(owner, name)
+
+    @classmethod
+    def session_of(cls, match):
+        for g in list(cls.active.values()):
+            s = g._session
+            if s is not None and match(s):
+                return s
+        return None
+
+
+def _generation_step_hook(original):
+    def _generation_step(self, model):
+        g = _Hooks.active.get(id(model))
+        if g is None or g._error is not None:
+            return original(self, model)
+        start = time.perf_counter()
+        session = g._session_for(self)
+        with session.on_engine_stream(self):
+            session.before_step(self)
+        forward = time.perf_counter()
+        result = original(self, model)
+        back = time.perf_counter()
+        with session.on_engine_stream(self):
+            session.after_step(self)
+        g._time_step(forward - start + time.perf_counter() - back, back - forward)
+        return result
+
+    _generation_step.__wrapped__ = original
+    return _generation_step
+
+
+def _copy_blocks_hook(original):
+    def copy_blocks(self, source_block_ids, dest_block_ids):
+        original(self, source_block_ids, dest_block_ids)
+        session = _Hooks.session_of(lambda s: s.allocator is self)
+        if session is not None:
+            session.copy_records(list(source_block_ids), list(dest_block_ids))
+
+    copy_blocks.__wrapped__ = original
+    return copy_blocks
+
+
+def _offload_hook(original):
+    def _offload_to_cpu(self, victims, victim_block_tables):
+        offloaded = original(self, victims, victim_block_tables)
+        session = _Hooks.session_of(lambda s: s.cache is self.cache)
+        if session is not None:
+            for request_id in offloaded:
+                blocks = victim_block_tables[request_id].get(session.group_name, [])
+                session.save_records(request_id, blocks)
+        return offloaded
+
+    _offload_to_cpu.__wrapped__ = original
+    return _offload_to_cpu
+
+
+def _restore_hook(original):
+    def restore_scheduled_requests(self, requests_in_batch):
+        session = _Hooks.session_of(lambda s: s.cache is self.cache)
+        if session is not None:
+            for future in requests_in_batch:
+                if future.state.is_cpu_offloaded:
+                    session.restore_records(future.state)
+        return original(self, requests_in_batch)
+
+    restore_scheduled_requests.__wrapped__ = original
+    return restore_scheduled_requests

@@ -1,0 +1,471 @@
+"""kvcanary's state beside one transformers ``PagedAttentionCache``, step by step.
+
+A :class:`_Session` holds the canary buffer (one 32-byte record per slot, slot ``block *
+page_size + offset``), the launch context whose real-KV sources are zero-copy views of the
+engine's cache tensor, who wrote each slot (request, position, step, whether the block table
+named it) and each request's own bookkeeping. Per forward step: ``before_step`` plans and
+verifies what the step reads, ``after_step`` writes what it wrote; ring rows become
+:class:`~kvcanary.integrations.findings.Sighting` objects (verify rows attributed and
+diagnosed by :func:`kvcanary.attribute`) that the guard merges into findings. Forks copy
+records, offloading carries them, and the last step is kept for the dump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from ... import api
+from ...attribution import LaunchFinding, attribute
+from ...consts import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, LaunchTag, RealKvHashMode
+from ...diagnosis import Entry, diagnose, failed_checks
+from ...types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan, to_host
+from ...violations import Violation
+from ..findings import (
+    READ_INDEX_MISMATCH,
+    WRITE_INDEX_MISMATCH,
+    EngineEvidence,
+    Sighting,
+    explain,
+    row_reasons,
+)
+from .hooks import GuardError
+
+if TYPE_CHECKING:    # the guard module imports this one
+    from . import Guard
+
+
+class _InBatch(NamedTuple):
+    """One request of the step being guarded."""
+
+    rec: "_Request"
+    query: int          # tokens this step writes
+    engine_past: int    # the engine's position offset before the step
+    past: int           # kvcanary's own count of the request's tokens before the step
+    table: np.ndarray   # the block table's slots of positions [0, past + query + 1)
+    read: np.ndarray    # the slots verified for positions [0, past)
+    tokens: np.ndarray  # the request's token ids (prompt + generated)
+
+
+class _Request:
+    __slots__ = ("request_id", "state", "length", "own", "restored")
+
+    def __init__(self, request_id, state, length):
+        self.request_id, self.state, self.length = request_id, state, length
+        self.own = {}   # position -> (slot it was written to, whether the table named it)
+        self.restored = False
+
+
+class _Session:
+    """kvcanary's state beside one PagedAttentionCache: canary buffer, launch context, who
+    wrote each slot, and each request's own bookkeeping."""
+
+    def __init__(self, g: "Guard", cache):
+        from transformers.generation.continuous_batching.cache_allocators import (
+            FullAttentionCacheAllocator,
+        )
+
+        self.guard, self.cache = g, cache
+        groups = cache.cache_allocators
+        allocator = next(iter(groups.values()))
+        if len(groups) != 1 or type(allocator) is not FullAttentionCacheAllocator:
+            raise GuardError("kvcanary: only models whose layers are all full attention are "
+                             f"supported, this one has cache groups {sorted(groups)}")
+        self.group_name = next(iter(groups))
+        self.allocator = allocator
+        self.page = int(allocator.tokens_per_page)
+        self.stride = int(allocator.block_physical_stride)
+        copy_view = allocator._copy_view
+        self.num_blocks = int(copy_view.shape[0])
+        self.num_slots = self.num_blocks * self.page
+        self.trash_blocks = 2 * int(allocator.blocks_per_sector)   # sectors 0 and 1
+        self.device = copy_view.device
+        self.xp = np
+        if self.device.type == "cuda":
+            import cupy
+
+            self.xp = cupy
+        xp = self.xp
+        self.real_kv = self._sources(copy_view)
+        self.context = CanaryContext(
+            xp.zeros((self.num_slots, CANARY_SLOT_BYTES), dtype=xp.uint8),
+            kernel_kind=LaunchTag.TAIL_K_FULL,
+            violation_log=ViolationLog.allocate(g.ring_capacity, xp=xp),
+            slot_run_counter=xp.zeros(1, dtype=xp.int64),
+            kernel_run_counter=xp.zeros(1, dtype=xp.int64),
+            real_kv_sources=tuple(source for _, source in self.real_kv),
+            real_kv_hash_mode=g.hash_mode,
+            max_real_kv_sources=max(MAX_REAL_KV_SOURCES, len(self.real_kv)))
+        self.writer_request = np.full(self.num_slots, -1, dtype=np.int64)
+        self.writer_position = np.full(self.num_slots, -1, dtype=np.int64)
+        self.writer_step = np.full(self.num_slots, -1, dtype=np.int64)
+        self.writer_followed = np.zeros(self.num_slots, dtype=bool)
+        self.request_names: list = []
+        self.uid_of: dict = {}
+        self.requests: dict = {}
+        self.saved: dict = {}     # offloaded request id -> (records, writer columns) per block
+        self.step = None
+        self.last = None
+
+    def _sources(self, copy_view) -> list:
+        """``[(name, RealKvSource)]``: each a zero-copy view of one layer's K or V rows."""
+        a = self.allocator
+        token_bytes = int(a.num_key_value_heads) * int(a.head_dim) * a.cache_dtype.itemsize
+        if self.guard.sources and token_bytes % 16:
+            raise GuardError(f"kvcanary: one token's K row is {token_bytes} bytes; real-KV "
+                             "sources need a multiple of 16 (use sources=() to guard without)")
+        page_bytes = self.page * token_bytes
+        out = []
+        for kind, layer in self.guard.sources:
+            local = a.layer_indices.index(layer)
+            start = (2 * local + (kind == "v")) * page_bytes
+            view = copy_view[:, start:start + page_bytes]
+            out.append((f"{kind}{layer}", RealKvSource(
+                view, page_size=self.page, num_bytes_per_token=token_bytes,
+                read_bytes=token_bytes)))
+        return out
+
+    def on_engine_stream(self, processor):
+        """On a CUDA device, kvcanary's launches queue on the stream the engine computes on,
+        so a verify or write never races the engine's KV writes."""
+        if self.xp is np:
+            return contextlib.nullcontext()
+        import torch
+
+        stream = processor.inputs_and_outputs.compute_stream or torch.cuda.current_stream()
+        return self.xp.cuda.ExternalStream(stream.cuda_stream)
+
+    # -- index conversions
+
+    def to_slots(self, physical: np.ndarray) -> np.ndarray:
+        """Canary slots of the engine's physical row indices (``num_slots``, outside the
+        buffer, where an index names no K row of a block)."""
+        physical = np.asarray(physical, dtype=np.int64)
+        block, offset = np.divmod(physical, self.stride)
+        slots = block * self.page + offset
+        bad = (physical < 0) | (offset >= self.page) | (block >= self.num_blocks)
+        slots[bad] = self.num_slots
+        return slots
+
+    def table_slots(self, request_id: str, length: int) -> np.ndarray:
+        """The block table's slots of positions ``[0, length)`` (``num_slots`` past it)."""
+        blocks = np.asarray(self.allocator.block_table.get(request_id, ()), dtype=np.int64)
+        positions = np.arange(length, dtype=np.int64)
+        index = positions // self.page
+        inside = index < blocks.size
+        slots = np.full(length, self.num_slots, dtype=np.int64)
+        slots[inside] = blocks[index[inside]] * self.page + positions[inside] % self.page
+        return slots
+
+    # -- one forward step
+
+    def before_step(self, processor) -> None:
+        from transformers.generation.continuous_batching.input_outputs import (
+            ContinuousBatchingIOs,
+        )
+
+        g = self.guard
+        io = processor.inputs_and_outputs
+        if type(io) is not ContinuousBatchingIOs:
+            raise GuardError("kvcanary: asynchronous batching is not supported; run with "
+                             "ContinuousBatchingConfig(use_async_batching=False)")
+        g.stats["steps"] += 1
+        self.step = g.stats["steps"]
+        batch = []
+        read_all = None
+        if not io.use_block_table and io.max_kv_read > 0 and io.true_read_sizes[0] > 0:
+            read_all = self.to_slots(_host(io.read_index_storage[0, :io.true_read_sizes[0]]))
+        read_at = 0
+        for future in io.requests_in_batch:
+            state = future.state
+            q = int(future.query_length)
+            engine_past = int(state.position_offset) - q
+            rec = self.requests.get(state.request_id)
+            if rec is None or rec.state is not state or rec.restored:
+                if rec is None or rec.state is not state:
+                    rec = _Request(state.request_id, state, engine_past)
+                    self.requests[state.request_id] = rec
+                rec.length, rec.restored = engine_past, False
+            past = rec.length
+            reach = max(past, engine_past) + q + 1
+            table = self.table_slots(state.request_id, reach)
+            read = table[:past].copy()
+            if read_all is not None:
+                got = read_all[read_at:read_at + engine_past + q]
+                read_at += engine_past + q
+                if g.plan_from == "read_indices":
+                    n = min(past, engine_past, got.size)
+                    read[:n] = got[:n]
+            tokens = np.asarray(state.initial_tokens + state.generated_tokens, dtype=np.int64)
+            batch.append(_InBatch(rec, q, engine_past, past, table, read, tokens))
+        self.batch = batch
+        self._plan_and_verify(batch)
+
+    def _plan_and_verify(self, batch) -> None:
+        g, xp, n = self.guard, self.xp, len(batch)
+        lengths = [past + q for _, q, _, past, _, _, _ in batch]
+        width = max(1, max(lengths))
+        table = np.zeros((n + 1, width), dtype=np.int64)
+        pool = np.full((n + 1, width), -1, dtype=np.int64)
+        valid = np.zeros(n, dtype=np.int64)
+        for i, (rec, q, _, past, slots, read, tokens) in enumerate(batch):
+            table[i + 1, :past + q] = slots[:past + q]
+            table[i + 1, :past] = read
+            valid[i] = min(tokens.size, width)
+            pool[i + 1, :valid[i]] = tokens[:valid[i]]
+        prefix = np.array([b.past for b in batch], dtype=np.int64)
+        extend = np.array([b.query for b in batch], dtype=np.int64)
+        capacity = max(1, int(prefix.sum()))
+        self.verify_plan = VerifyPlan.allocate(capacity, xp=xp)
+        self.write_plan = WritePlan.allocate(max(1, n), xp=xp)
+        kwargs = {}
+        if g.check_tokens:
+            kwargs = dict(req_to_verify_expected_tokens=xp.asarray(pool),
+                          req_to_verify_expected_tokens_valid_lens=xp.asarray(valid))
+        api.plan(req_pool_indices=xp.arange(1, n + 1, dtype=xp.int64),
+                prefix_lens=xp.asarray(prefix), extend_seq_lens=xp.asarray(extend),
+                req_to_token=xp.asarray(table), verify_plan=self.verify_plan,
+                write_plan=self.write_plan, **kwargs)
+        entries = int(prefix.sum())
+        events, self.misread = {}, set()
+        for i, (rec, _, engine_past, past, slots, read, _) in enumerate(batch):
+            n_read = min(past, engine_past)
+            bad = np.flatnonzero(read[:n_read] != slots[:n_read])
+            g.stats["read_index_mismatches"] += int(bad.size)
+            for pos in bad:
+                events[(i, int(pos), int(read[pos]))] = [0, None, {READ_INDEX_MISMATCH}]
+                self.misread.add((i, int(pos)))
+        if entries:
+            api.verify(self.context, self.verify_plan, check_expected_token=g.check_tokens)
+            g.stats["entries_verified"] += entries
+            found = []
+            if self.context.violation_log.total:
+                found = attribute(self.context, self.verify_plan,
+                                  req_pool_indices=np.arange(1, n + 1, dtype=np.int64),
+                                  prefix_lens=prefix, launch=self.step)
+            self._take_rows()
+            for f in found:
+                if f.entry is None:
+                    continue
+                key = (f.entry.batch_index, f.entry.position, f.violation.slot_idx)
+                event = events.setdefault(key, [0, None, set()])
+                event[0] |= int(f.violation.fail_reason_bits)
+                event[1] = f if event[1] is None else event[1]
+        self._record(events, batch)
+        if g._error is not None:     # on_violation="raise": stop before the forward
+            raise g._error
+
+    def _take_rows(self) -> np.ndarray:
+        log = self.context.violation_log
+        rows = log.rows()
+        self.guard.stats["ring_rows"] += log.total
+        self.guard.stats["rows_dropped"] += log.dropped
+        self.guard.raw_rows.extend((self.step, row) for row in rows)
+        if log.total:
+            log.clear()
+        return rows
+
+    def after_step(self, processor) -> None:
+        g, xp, io, batch = self.guard, self.xp, processor.inputs_and_outputs, self.batch
+        total = sum(b.query for b in batch)
+        if io.use_block_table:
+            written = np.concatenate([b.table[b.engine_past:b.engine_past + b.query]
+                                      for b in batch])
+        else:
+            written = self.to_slots(_host(io.write_index_storage[0, :total]))
+        input_ids = _host(io.input_ids[:total]).astype(np.int64)
+        positions = _host(io.position_ids[:total]).astype(np.int64)
+        expected_tokens = np.concatenate(
+            [_padded(tokens, past, q) for _, q, _, past, _, _, tokens in batch])
+        # A position past the request's tokens has no known token: nothing to compare there.
+        expected_tokens = np.where(expected_tokens < 0, input_ids, expected_tokens)
+        expected_positions = np.concatenate(
+            [np.arange(past, past + q, dtype=np.int64) for _, q, _, past, _, _, _ in batch])
+        api.write(self.context, self.write_plan, input_ids=xp.asarray(input_ids),
+                 positions=xp.asarray(positions), out_cache_loc=xp.asarray(written),
+                 expected_input_tokens=xp.asarray(expected_tokens),
+                 expected_input_positions=xp.asarray(expected_positions))
+        g.stats["tokens_written"] += total
+        owners = np.repeat(np.arange(len(batch)), [b.query for b in batch])
+        table = np.concatenate([b.table[b.past:b.past + b.query] for b in batch])
+        events = {}
+        for e in np.flatnonzero(written != table):
+            g.stats["write_index_mismatches"] += 1
+            events[(int(owners[e]), int(expected_positions[e]), int(written[e]))] = [
+                0, None, {WRITE_INDEX_MISMATCH}]
+        for row in self._take_rows():
+            hits = np.flatnonzero((written == row[1]) & (positions == row[2])
+                                  & (input_ids == row[3]))
+            if hits.size == 0:
+                continue
+            e = int(hits[0])
+            key = (int(owners[e]), int(expected_positions[e]), int(row[1]))
+            event = events.setdefault(key, [0, None, set()])
+            event[0] |= int(row[7])
+            if event[1] is None:     # the write row as the shared core explains it
+                v = Violation.from_row(row)
+                entry = Entry(batch_index=key[0], request_row=key[0] + 1, position=key[1])
+                event[1] = LaunchFinding(v, entry, failed_checks(v.fail_reason_bits),
+                                         diagnose(v, entry), self.step)
+        # Who wrote each slot (findings name the writer) and where each request wrote.
+        keys = list(zip(owners.tolist(), expected_positions.tolist()))
+        followed = (written == table).tolist()
+        self._record(events, batch, written=dict(zip(keys, zip(written.tolist(), followed))),
+                     engine_positions=dict(zip(keys, positions.tolist())))
+        inside = written < self.num_slots
+        uids = np.array([self._uid(b.rec.request_id) for b in batch], dtype=np.int64)
+        self.writer_request[written[inside]] = uids[owners[inside]]
+        self.writer_position[written[inside]] = expected_positions[inside]
+        self.writer_step[written[inside]] = self.step
+        self.writer_followed[written[inside]] = (written == table)[inside]
+        for i, (rec, q, engine_past, past, _, _, _) in enumerate(batch):
+            mine = np.flatnonzero(owners == i).tolist()
+            for pos, e in zip(range(past, past + q), mine):
+                rec.own[pos] = (int(written[e]), followed[e])
+            rec.length = engine_past + q      # follow the engine once its step is checked
+        self.last = [(rec.request_id, list(self.allocator.block_table.get(rec.request_id, ())),
+                      rec.length, tokens) for rec, _, _, _, _, _, tokens in batch]
+        if g._error is not None:
+            raise g._error
+
+    def _uid(self, request_id: str) -> int:
+        uid = self.uid_of.get(request_id)
+        if uid is None:
+            uid = self.uid_of[request_id] = len(self.request_names)
+            self.request_names.append(request_id)
+        return uid
+
+    def _record(self, events: dict, batch, written=None, engine_positions=None) -> None:
+        """Turn one launch's events ``(batch index, position, slot) -> [bits, first row,
+        guard checks]`` into sightings and merge them; each new finding is explained (once)
+        and reported. The first row is a :class:`~kvcanary.LaunchFinding` (verify or write
+        row), None for a guard check alone.
+        ``written``/``engine_positions``: the write launch's slot and position id of each
+        ``(batch index, position)``."""
+        g = self.guard
+        sightings, batch_index = [], {}
+        for (i, position, slot), (bits, first, checks) in events.items():
+            sighting = Sighting(batch[i].rec.request_id, position, slot, slot // self.page,
+                                row_reasons(bits, sorted(checks)),
+                                None if first is None else first.violation, self.step,
+                                None if first is None else first.diagnosis)
+            sightings.append(sighting)
+            batch_index[sighting.key()] = i
+        for found in g.merger.add(sightings):
+            i, position, slot = batch_index[found.finding.key()], found.position, found.slot
+            key = (i, position)
+            own = (written or {}).get(key) or batch[i].rec.own.get(position) or (None, True)
+            found.explanation = explain(found.finding, self._evidence(
+                batch[i].rec, position, slot, batch[i].table, own,
+                (engine_positions or {}).get(key), (i, position - 1) in self.misread))
+            g._report(found)
+    def _evidence(self, rec, position, slot, table, own_write, engine_position,
+                  misread_before) -> EngineEvidence:
+        own, followed = own_write
+        writer = None
+        if 0 <= slot < self.num_slots and self.writer_request[slot] >= 0:
+            writer = (self.request_names[self.writer_request[slot]],
+                      int(self.writer_position[slot]), int(self.writer_step[slot]),
+                      bool(self.writer_followed[slot]))
+        near = tuple(int(table[p]) if 0 <= p < table.size else None
+                     for p in (position - 1, position + 1))
+        trash = own is not None and 0 <= own < self.num_slots and \
+            own // self.page < self.trash_blocks
+        return EngineEvidence(
+            request_id=rec.request_id, position=position, slot=slot,
+            table_slot=int(table[position]) if position < table.size else -1,
+            writer=writer, own_slot=own, engine_position=engine_position, trash=trash,
+            near_slots=near, sources="+".join(name for name, _ in self.real_kv) or "no source",
+            own_followed=followed, misread_before=misread_before)
+
+    # -- forks and offloading
+
+    @property
+    def writer_columns(self) -> tuple:
+        """Per slot: who wrote its record (request uid, position, step, table followed)."""
+        return (self.writer_request, self.writer_position, self.writer_step,
+                self.writer_followed)
+
+    def _block_slots(self, blocks) -> np.ndarray:
+        blocks = np.asarray(blocks, dtype=np.int64)
+        return (blocks[:, None] * self.page + np.arange(self.page)).reshape(-1)
+
+    def copy_records(self, source_blocks, dest_blocks) -> None:
+        """A fork copied KV blocks: their records (and who wrote them) go along."""
+        if not source_blocks:
+            return
+        src, dst = self._block_slots(source_blocks), self._block_slots(dest_blocks)
+        buf = self.context.canary_buf
+        buf[self.xp.asarray(dst)] = buf[self.xp.asarray(src)]
+        for column in self.writer_columns:
+            column[dst] = column[src]
+        self.guard.stats["blocks_copied"] += len(source_blocks)
+
+    def save_records(self, request_id: str, blocks) -> None:
+        slots = self._block_slots(blocks)
+        self.saved[request_id] = (self.context.canary_buf[self.xp.asarray(slots)].copy(),
+                                  [column[slots].copy() for column in self.writer_columns])
+
+    def restore_records(self, state) -> None:
+        """KV restored from the CPU lands in new blocks: its records come back with it."""
+        saved = self.saved.pop(state.request_id, None)
+        if saved is None:
+            return
+        records, columns = saved
+        blocks = self.allocator.block_table.get(state.request_id, [])
+        count = min(len(blocks), records.shape[0] // self.page)
+        slots = self._block_slots(blocks[:count])
+        self.context.canary_buf[self.xp.asarray(slots)] = records[:slots.size]
+        for column, values in zip(self.writer_columns, columns):
+            column[slots] = values[:slots.size]
+        rec = self.requests.get(state.request_id)
+        if rec is not None:
+            rec.restored = True
+        self.guard.stats["blocks_restored"] += count
+
+    # -- dump
+
+    def dump_arrays(self) -> dict:
+        last = self.last
+        n = len(last)
+        width = max(1, max(len(blocks) for _, blocks, _, _ in last))
+        block_table = np.zeros((n + 1, width), dtype=np.int64)
+        for i, (_, blocks, _, _) in enumerate(last):
+            block_table[i + 1, :len(blocks)] = blocks
+        arrays = dict(
+            kvcanary_dump_version=1,
+            canary=np.ascontiguousarray(to_host(self.context.canary_buf)),
+            block_table=block_table, block_size=self.page,
+            req_pool_indices=np.arange(1, n + 1, dtype=np.int64),
+            seq_lens=np.array([length for _, _, length, _ in last], dtype=np.int64),
+            launch_tag=LaunchTag.TAIL_K_FULL.name)
+        if self.real_kv and self.guard.hash_mode != RealKvHashMode.NONE:
+            for i, (_, source) in enumerate(self.real_kv):
+                arrays[f"real_kv_{i}"] = np.ascontiguousarray(to_host(source.tensor))
+            arrays["real_kv_params"] = np.array(
+                [[s.page_size, s.num_bytes_per_token, s.read_bytes] for _, s in self.real_kv],
+                dtype=np.int64)
+            arrays["real_kv_hash_mode"] = self.guard.hash_mode.name.lower()
+        if self.guard.check_tokens:
+            length = max(1, max(t.size for _, _, _, t in last))
+            expected = np.full((n + 1, length), -1, dtype=np.int32)
+            for i, (_, _, _, tokens) in enumerate(last):
+                expected[i + 1, :tokens.size] = tokens
+            arrays["expected_tokens"] = expected
+            arrays["expected_tokens_valid_lens"] = np.array(
+                [t.size for _, _, _, t in last], dtype=np.int64)
+        return arrays
+
+
+def _host(tensor) -> np.ndarray:
+    """A torch tensor as a numpy array (a view on the CPU)."""
+    return tensor.detach().cpu().numpy()
+
+
+def _padded(tokens: np.ndarray, start: int, count: int) -> np.ndarray:
+    out = np.full(count, -1, dtype=np.int64)
+    part = tokens[start:start + count]
+    out[:part.size] = part
+    return out
