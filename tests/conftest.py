@@ -5,11 +5,15 @@
   importable by their plain names from anywhere, whatever pytest's import mode;
 * subprocesses the tests start (the CLI, the benchmark scripts) import this checkout's
   kvcanary, installed or not (its root goes first on ``PYTHONPATH``);
-* one place decides the GPU skip: a test marked ``gpu`` runs only where kvcanary's CUDA
-  backend sees a device, and is skipped with kvcanary's reason otherwise;
+* one place decides every skip for what a test needs, one reason each: a test marked
+  ``gpu`` runs only where kvcanary's CUDA backend sees a device (skipped with kvcanary's
+  reason otherwise), ``needs_cupy`` where cupy imports, ``needs_compiler`` (and every test
+  using the ``cpu_kernels`` fixture) where a C++ compiler builds the CPU kernel harness,
+  ``needs_nvrtc`` where cuda-core compiles a kernel with NVRTC;
 * the run ends with one line per reason of what did not run.
 """
 
+import importlib.util
 import os
 import sys
 from collections import Counter
@@ -28,17 +32,64 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _ROOT])
 
 
-def pytest_collection_modifyitems(config, items):
-    if not any(item.get_closest_marker("gpu") for item in items):
-        return
+def _no_gpu():
     from kvcanary.cuda import unavailable_reason
 
     why = unavailable_reason()
-    if why:
-        skip = pytest.mark.skip(reason=f"no GPU: {why}")
-        for item in items:
-            if item.get_closest_marker("gpu"):
-                item.add_marker(skip)
+    return f"no GPU: {why}" if why else None
+
+
+def _no_cupy():
+    if importlib.util.find_spec("cupy") is None:
+        return "cupy is not installed in this environment"
+    return None
+
+
+def _no_compiler():
+    from kernel_harness import compiler
+
+    if compiler() is None:
+        return ("no C++ compiler (g++, c++ or clang++) on this machine: the CUDA kernel "
+                "source cannot run on the CPU")
+    return None
+
+
+def _no_nvrtc():
+    try:
+        import cuda.core  # noqa: F401
+    except ImportError:
+        return ("cuda-core (with cuda-bindings and nvidia-cuda-nvrtc) is not installed: "
+                "pip install 'kvcanary[test]'")
+    from test_kernels_nvrtc import compile_kernel
+
+    try:
+        compile_kernel("plan", None, False, "sm_80")
+    except Exception as exc:  # noqa: BLE001 - report why and skip
+        return f"NVRTC is not usable here: {type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+# marker -> what decides it (None: available; else the one reason of the skip)
+NEEDS = {"gpu": _no_gpu, "needs_cupy": _no_cupy, "needs_compiler": _no_compiler,
+         "needs_nvrtc": _no_nvrtc}
+
+
+def _needs(item) -> set:
+    needs = {name for name in NEEDS if item.get_closest_marker(name)}
+    if "cpu_kernels" in getattr(item, "fixturenames", ()):
+        needs.add("needs_compiler")
+    return needs
+
+
+def pytest_collection_modifyitems(config, items):
+    reasons = {}
+    for item in items:
+        for name in sorted(_needs(item)):
+            if name not in reasons:
+                reasons[name] = NEEDS[name]()   # decided once, only where a test needs it
+            if reasons[name]:
+                item.add_marker(pytest.mark.skip(reason=reasons[name]))
+                break
 
 
 def pytest_terminal_summary(terminalreporter):

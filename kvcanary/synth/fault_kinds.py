@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
 from .config import SynthError
 
-FAULT_KINDS = ("token", "position", "prev-hash", "real-kv-byte", "alias", "swap",
-               "stale-reuse", "slot-zero", "lost-write")
 FAULT_DESCRIPTIONS = {
     "token": "the stored token of a record changed",
     "position": "the stored position of a record changed",
@@ -30,7 +28,7 @@ FAULT_DESCRIPTIONS = {
     "slot-zero": "a live table entry mapped to padding slot 0",
     "lost-write": "a token's canary record and KV never written",
 }
-PAGED_FAULT_KINDS = FAULT_KINDS + ("evicted-block",)
+FAULT_KINDS = tuple(FAULT_DESCRIPTIONS)
 PAGED_FAULT_DESCRIPTIONS = {
     **FAULT_DESCRIPTIONS,
     "alias": "a block-table entry points at another request's block",
@@ -39,9 +37,7 @@ PAGED_FAULT_DESCRIPTIONS = {
     "slot-zero": "a live block-table entry set to the null block 0",
     "evicted-block": "a cached block evicted while live requests map it, then rewritten",
 }
-TARGET_CLASSES = ("head", "interior", "last", "chunk-boundary", "window-head", "shared",
-                  "cached")
-DEFAULT_TARGET = "interior"
+PAGED_FAULT_KINDS = tuple(PAGED_FAULT_DESCRIPTIONS)
 TARGET_DESCRIPTIONS = {
     "head": "position 0 of a live request (owned, or the first slot of a shared prefix)",
     "interior": "a request-owned entry whose predecessor and successor are verified",
@@ -51,6 +47,8 @@ TARGET_DESCRIPTIONS = {
     "shared": "a slot of a prefix-cache block that live requests map",
     "cached": "a slot of a prefix-cache block no live request maps (a sweep entry only)",
 }
+TARGET_CLASSES = tuple(TARGET_DESCRIPTIONS)
+DEFAULT_TARGET = "interior"
 # Two faults placed next to each other where real bugs interact, ``KIND+KIND`` at a shape:
 # two entries of one shared prefix-cache block, or a shared prefix's last entry and the first
 # entry the request wrote after it (a chain seam). Each fault is scored at its own sites, so
@@ -64,10 +62,6 @@ PAIRS_NOT_UNION = {
     ("lost-write", "lost-write"): "the chain link of an all-zero record is 0, so a zeroed "
                                   "record right after another zeroed record holds a "
                                   "consistent link: only the position check sees the second",
-}
-PAIR_DESCRIPTIONS = {
-    "shared-block": "two faults in one prefix-cache block that live requests map",
-    "chain-seam": "a fault on a shared prefix's last entry and one on the request's next entry",
 }
 # Bits a fault fires at an interior target (other targets: :func:`site_bits`).
 EXPECTED_BITS = {
@@ -118,21 +112,15 @@ def site_bits(kind: str, entry: str, position: int, prev: int, real_kv_visible: 
     """The bits a fault of ``kind`` must fire at one verify entry it changed: a request entry
     or a sweep entry at ``position`` whose predecessor slot is ``prev`` (-1: chain head, 0:
     unreachable, its chain check vacuous)."""
-    if kind == "token":
-        # Sweep entries carry no expected token: the prefix cache keeps no token pool.
-        return int(FailReason.VERIFY_TOKEN_MISMATCH) if entry == REQUEST else 0
-    if kind == "prev-hash":
-        return int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) if prev != 0 else 0
-    if kind == "real-kv-byte":
-        return int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH) if real_kv_visible else 0
-    if kind == "slot-zero":
-        # Verify skips slot 0 as unfilled; the extension flags it in live requests only.
-        return int(FailReason.SLOT_ZERO_IN_PREFIX) if entry == REQUEST else 0
     if kind == "lost-write":
         # A zero record holds position 0 and chain link 0.
         return ((int(FailReason.VERIFY_POSITION_MISMATCH) if position != 0 else 0)
                 | (int(FailReason.VERIFY_CHAIN_HASH_MISMATCH) if prev != 0 else 0))
-    return int(EXPECTED_BITS[kind])
+    # Sweep entries carry no expected token (the prefix cache keeps no token pool); verify
+    # skips slot 0 as unfilled, and the extension flags it in live requests only.
+    unseen = {"token": entry != REQUEST, "slot-zero": entry != REQUEST,
+              "prev-hash": prev == 0, "real-kv-byte": not real_kv_visible}
+    return 0 if unseen.get(kind, False) else int(EXPECTED_BITS[kind])
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ leaves the generator exactly where ``inject(kind, k)`` would have.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import operator
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -97,75 +99,61 @@ class FaultInjector:
         return self._entries
 
     def _build_entries(self) -> _Entries:
+        """Each live request's window, then the sweep entries, as columns; a request's own
+        numbers (matched prefix, length, prompt length, window start) go to the class masks."""
         s, bs = self.s, self.bs
         c, canary, table = s.config, s.allocator.canary_slots, s.scheduler.table
-        W = c.swa_window
-        names = ("entry", "batch", "row", "position", "slot", "prev", "unit", "unit_slots")
-        cols = {name: [] for name in names}
-        meta = {name: [] for name in ("matched", "seq_len", "prompt_len", "start")}
         offsets = np.arange(bs, dtype=np.int64)
+        parts = []
         for b, request in enumerate(s.running):
-            start = max(0, request.seq_len - W) if W else 0
+            start = max(0, request.seq_len - c.swa_window) if c.swa_window else 0
             positions = np.arange(start, request.seq_len, dtype=np.int64)
             slots = canary(table.slots(request.row, 0, request.seq_len))
-            prev = np.full(positions.shape, -1, dtype=np.int64)
-            prev[positions > 0] = slots[positions[positions > 0] - 1]
-            n = positions.shape[0]
-            for name, value in (("entry", 0), ("batch", b), ("row", request.row)):
-                cols[name].append(np.full(n, value, dtype=np.int64))
-            cols["position"].append(positions)
-            cols["slot"].append(slots[start:])
-            cols["prev"].append(prev)
-            cols["unit"].append(b * (c.max_context_len + 1) + positions // bs)
+            prev = np.where(positions > 0, slots[np.maximum(positions - 1, 0)], -1)
             unit = positions[:, None] // bs * bs + offsets
-            cols["unit_slots"].append(np.where(unit < request.seq_len,
-                                               slots[np.minimum(unit, request.seq_len - 1)], -1))
-            for name, value in (("matched", request.matched), ("seq_len", request.seq_len),
-                                ("prompt_len", request.prompt_len), ("start", start)):
-                meta[name].append(np.full(n, value, dtype=np.int64))
-        self._sweep = SweepIndex(s.cache, s.allocator.lut)
-        sweep = self._sweep
-        m = sweep.slots.shape[0]
-        for name, value in (("entry", 1), ("batch", -1), ("row", -1)):
-            cols[name].append(np.full(m, value, dtype=np.int64))
-        cols["position"].append(sweep.positions)
-        cols["slot"].append(sweep.slots)
-        cols["prev"].append(sweep.prevs)
-        k = np.arange(m, dtype=np.int64)
-        cols["unit"].append(-1 - k // bs)
-        cols["unit_slots"].append(sweep.slots[(k // bs * bs)[:, None] + offsets].reshape(m, bs)
-                                  if m else np.zeros((0, bs), dtype=np.int64))
-        for name in meta:
-            meta[name].append(np.full(m, -1, dtype=np.int64))
-        e = {name: np.concatenate(v) for name, v in cols.items()}
-        mt = {name: np.concatenate(v) for name, v in meta.items()}
-        return _Entries(**e, masks=self._class_masks(e, mt, sweep.unmapped))
+            parts.append(dict(
+                entry=0, batch=b, row=request.row, position=positions, slot=slots[start:],
+                prev=prev, unit=b * (c.max_context_len + 1) + positions // bs,
+                unit_slots=np.where(unit < request.seq_len,
+                                    slots[np.minimum(unit, request.seq_len - 1)], -1),
+                matched=request.matched, seq_len=request.seq_len,
+                prompt_len=request.prompt_len, start=start, unmapped=0))
+        self._sweep = sweep = SweepIndex(s.cache, s.allocator.lut)
+        k = np.arange(sweep.slots.shape[0], dtype=np.int64)
+        parts.append(dict(
+            entry=1, batch=-1, row=-1, position=sweep.positions, slot=sweep.slots,
+            prev=sweep.prevs, unit=-1 - k // bs,
+            unit_slots=sweep.slots[(k // bs * bs)[:, None] + offsets].reshape(-1, bs),
+            matched=-1, seq_len=-1, prompt_len=-1, start=-1, unmapped=sweep.unmapped))
+        cols = {name: np.concatenate([np.full(p["position"].shape[0], p[name], dtype=np.int64)
+                                      if np.ndim(p[name]) == 0 else p[name] for p in parts])
+                for name in parts[0]}
+        return _Entries(**{f.name: cols[f.name] for f in fields(_Entries) if f.name != "masks"},
+                        masks=self._class_masks(cols))
 
-    def _class_masks(self, e: dict, mt: dict, unmapped: np.ndarray) -> dict:
+    def _class_masks(self, e: dict) -> dict:
         """Target class -> mask over the entries; the classes of live entries are disjoint
         except that an interior entry may sit on a chunk boundary."""
         chunk = self.s.config.chunk_size
         live, p, prev = e["entry"] == 0, e["position"], e["prev"]
-        owned = p >= mt["matched"]
+        owned = p >= e["matched"]
         head = live & (p == 0)
-        window_head = live & (p == mt["start"]) & (p > 0) & (prev == 0)
-        last = live & (p == mt["seq_len"] - 1) & ~head & ~window_head
-        inside = live & (p > mt["start"]) & (p < mt["seq_len"] - 1) & (prev != 0)
-        sweep_mask = np.zeros(live.shape, dtype=bool)
-        sweep_mask[~live] = unmapped
+        window_head = live & (p == e["start"]) & (p > 0) & (prev == 0)
+        last = live & (p == e["seq_len"] - 1) & ~head & ~window_head
+        inside = live & (p > e["start"]) & (p < e["seq_len"] - 1) & (prev != 0)
         reachable = live & (prev != 0) & ~owned
         return {
             "head": head,
             "interior": inside & owned & (p > 0),
             "last": last,
-            "chunk-boundary": inside & owned & (p < mt["prompt_len"])
-                              & ((p - mt["matched"]) % chunk == 0) & (p > mt["matched"]),
+            "chunk-boundary": inside & owned & (p < e["prompt_len"])
+                              & ((p - e["matched"]) % chunk == 0) & (p > e["matched"]),
             "window-head": window_head,
             "shared": inside & ~owned,
-            "cached": sweep_mask & (prev != 0),
+            "cached": (e["unmapped"] == 1) & (prev != 0),
             # first entries of the pair shapes (the second: ``_place_pair``)
             "shared-block": reachable,
-            "chain-seam": reachable & (p == mt["matched"] - 1),
+            "chain-seam": reachable & (p == e["matched"] - 1),
             "mapped-cached": live & ~owned,     # in a prefix-cache block the request holds
         }
 
@@ -206,9 +194,9 @@ class FaultInjector:
         for i in np.flatnonzero(e.masks["mapped-cached"]).tolist():
             block = self._mapped_block(i)
             if id(block) not in seen:
-                cached = s.cache.blocks.get(block.key) is block
-                gone = self._subtree_slots(block) if cached else None
-                seen[id(block)] = cached and not self.blocked[gone[gone > 0]].any()
+                gone = self._subtree_slots(block) if s.cache.blocks.get(block.key) is block \
+                    else None
+                seen[id(block)] = gone is not None and not self.blocked[gone[gone > 0]].any()
             ok[i] = seen[id(block)]
         return ok
 
@@ -217,7 +205,7 @@ class FaultInjector:
         return self.s.running[int(e.batch[i])].blocks[int(e.position[i]) // self.bs]
 
     def _subtree_slots(self, block) -> np.ndarray:
-        below = [b.slots for b in self.s.cache.values() if _descends(b, block)]
+        below = [b.slots for b in self.s.cache.subtree(block)]
         return self.s.allocator.canary_slots(np.concatenate(below).astype(np.int64))
 
     def _apply(self, kind: str, target: str, i: int) -> Fault:
@@ -279,11 +267,8 @@ class FaultInjector:
         reads = np.broadcast_to(reads, (self.bs,))
         least = 0 if kind == "slot-zero" else 1
         return tuple(self._site(kind, u, int(reads[e.position[u] % self.bs]))
-                     for u in self._unit(i) if reads[e.position[u] % self.bs] >= least)
-
-    def _unit(self, i: int) -> list:
-        e = self.entries()
-        return [i] if self.bs == 1 else np.flatnonzero(e.unit == e.unit[i]).tolist()
+                     for u in np.flatnonzero(e.unit == e.unit[i]).tolist()
+                     if reads[e.position[u] % self.bs] >= least)
 
     def _unit_taken(self, i: int) -> list:
         u = self.entries().unit_slots[i]
@@ -291,9 +276,7 @@ class FaultInjector:
 
     def _fault(self, kind, target, i, sites, *, detail=-1, note="") -> Fault:
         e = self.entries()
-        expected = 0
-        for site in sites:
-            expected |= site.bits
+        expected = functools.reduce(operator.or_, (site.bits for site in sites), 0)
         return Fault(kind=kind, batch_index=int(e.batch[i]), request_row=int(e.row[i]),
                      position=int(e.position[i]), slot=int(e.slot[i]), expected_bits=expected,
                      visible=expected != 0, detail=detail, note=note, target=target,
@@ -350,22 +333,20 @@ class FaultInjector:
         fields[slot, field] = fields[slot, field] ^ by if xor else fields[slot, field] + by
 
     def _apply_real_kv_byte(self, target, i):
-        s = self.s
-        c, rng = s.config, s.rng
-        slot = int(self.entries().slot[i])
+        s, c = self.s, self.s.config
         k = self.real_kv_faults
-        source = k % len(s.sources)
-        offset = (k * 16 + int(rng.integers(16))) % c.bytes_per_token
-        view = s.pool.slot_bytes(s.sources[source])
-        view[slot // c.page_size, slot % c.page_size, offset] ^= np.uint8(
-            1 << int(rng.integers(8)))
         self.real_kv_faults += 1
-        visible = real_kv_byte_visible(c.hash_mode, offset)
-        note = real_kv_byte_note(c.hash_mode, offset) + f" (source {source})"
-        self._take(slot)
-        return self._fault("real-kv-byte", target, i,
-                           self._record_sites("real-kv-byte", slot, visible),
-                           detail=offset, note=note)
+        source = k % len(s.sources)
+        offset = (k * 16 + int(s.rng.integers(16))) % c.bytes_per_token
+        flip = np.uint8(1 << int(s.rng.integers(8)))
+        view = s.pool.slot_bytes(s.sources[source])
+
+        def change(slot):
+            view[slot // c.page_size, slot % c.page_size, offset] ^= flip
+        return self._record_fault("real-kv-byte", target, i, change, detail=offset,
+                                  note=real_kv_byte_note(c.hash_mode, offset)
+                                  + f" (source {source})",
+                                  real_kv_visible=real_kv_byte_visible(c.hash_mode, offset))
 
     def _apply_lost_write(self, target, i):
         s = self.s
@@ -386,14 +367,13 @@ class FaultInjector:
         s, e = self.s, self.entries()
         high = (int(e.position[i]) // self.bs + 1) * self.bs
         new_position = high + int(s.rng.integers(1, 64))
-        slots = self._unit_taken(i)
-        self._rewrite(slots, new_position)
-        return self._fault("stale-reuse", target, i,
-                           sum((self._record_sites("stale-reuse", x) for x in slots), ()),
-                           detail=new_position,
+        sites = self._rewrite("stale-reuse", self._unit_taken(i), new_position)
+        return self._fault("stale-reuse", target, i, sites, detail=new_position,
                            note=f"rewritten as position {new_position} of another sequence")
 
-    def _rewrite(self, slots: list, first_position: int) -> None:
+    def _rewrite(self, kind: str, slots: list, first_position: int) -> tuple:
+        """Queue ``slots`` to be rewritten as another sequence's from ``first_position``
+        (:meth:`_write_rewrites`); the sites of every entry reading them."""
         s = self.s
         tokens = s.workload.tokens(len(slots)).astype(np.int64)
         positions = first_position + np.arange(len(slots), dtype=np.int64)
@@ -402,6 +382,7 @@ class FaultInjector:
         s.pool.write_count[index] += 1
         self._rewrites += zip(slots, tokens.tolist(), positions.tolist())
         self._take(*slots)
+        return tuple(site for x in slots for site in self._record_sites(kind, x))
 
     def _apply_evicted_block(self, target, i):
         """A cached block that live requests map evicted (as if its reference count had
@@ -410,14 +391,13 @@ class FaultInjector:
         s = self.s
         block = self._mapped_block(i)
         gone = self._subtree_slots(block)
-        slots = self._unit_taken(i)
         s.cache.drop_subtree(block)
         new_position = (block.depth + 1) * self.bs + int(s.rng.integers(1, 64))
-        self._rewrite(slots, new_position)
+        sites = self._rewrite("evicted-block", self._unit_taken(i), new_position)
         self._take(*gone[gone > 0].tolist())
-        sites = tuple(site for x in slots for site in self._record_sites("evicted-block", x)
-                      if site.entry == REQUEST)
-        return self._fault("evicted-block", target, i, sites, detail=new_position,
+        return self._fault("evicted-block", target, i,
+                           tuple(site for site in sites if site.entry == REQUEST),
+                           detail=new_position,
                            note=f"cached block at positions {block.depth * self.bs}.."
                                 f"{(block.depth + 1) * self.bs - 1} evicted while live "
                                 f"requests map it; rewritten from position {new_position}")
@@ -439,40 +419,44 @@ class FaultInjector:
 
     # ------------------------------------------------------------------ table faults
 
+    def _aligned_units(self, i: int):
+        """Entries another unit of which ``i``'s table entry can point at: per token any; on
+        a paged engine those at ``i``'s offset in a whole, free block."""
+        e = self.entries()
+        if self.bs == 1:
+            return True
+        return (e.position % self.bs == e.position[i] % self.bs) & self._free_units(whole=True)
+
+    def _remap(self, kind: str, pairs: list) -> tuple:
+        """Point the table entry of each ``(i, j)``'s ``i`` at what ``j``'s read before any
+        changed, taking both units; the sites of every entry of the remapped units."""
+        e = self.entries()
+        for i, slot in [(i, self._table_slot(j)) for i, j in pairs]:
+            self._set_table(i, slot)
+        self._take(*(x for pair in pairs for k in pair for x in self._unit_taken(k)))
+        return sum((self._unit_sites(kind, i, e.unit_slots[j]) for i, j in pairs), ())
+
     def _apply_alias(self, target, i):
         e = self.entries()
-        where = (e.batch != e.batch[i]) & (e.position != e.position[i]) & (e.slot != e.slot[i])
-        if self.bs > 1:     # another request's whole block, at other positions
-            where &= (e.position // self.bs != e.position[i] // self.bs) & \
-                (e.position % self.bs == e.position[i] % self.bs) & self._free_units(whole=True)
-        other = self._pick("interior", where)
-        self._set_table(i, self._table_slot(other))
+        other = self._pick("interior", (e.batch != e.batch[i]) & (e.slot != e.slot[i])
+                           & (e.position // self.bs != e.position[i] // self.bs)
+                           & self._aligned_units(i))
+        sites = self._remap("alias", [(i, other)])
         into = int(e.slot[other])
-        self._take(*self._unit_taken(i), *self._unit_taken(other))
-        return self._fault("alias", target, i,
-                           self._unit_sites("alias", i, e.unit_slots[other]), detail=into,
+        return self._fault("alias", target, i, sites, detail=into,
                            note=f"now maps slot {into} (request row {int(e.row[other])}, "
                                 f"position {int(e.position[other])})")
 
     def _apply_swap(self, target, i):
         e = self.entries()
-        same = (e.entry == e.entry[i]) & (np.abs(e.position // self.bs
-                                                 - e.position[i] // self.bs) > 1) \
-            & (e.slot != e.slot[i])
-        if self.bs > 1:
-            same &= (e.position % self.bs == e.position[i] % self.bs) & \
-                self._free_units(whole=True)
+        same = ((e.entry == e.entry[i]) & (e.slot != e.slot[i]) & self._aligned_units(i)
+                & (np.abs(e.position // self.bs - e.position[i] // self.bs) > 1))
         if e.entry[i] == 0:
             j = self._pick("interior", same & (e.batch == e.batch[i]))
         else:
             j = self._pick("cached", same)
-        a, b = self._table_slot(i), self._table_slot(j)
-        self._set_table(i, b)
-        self._set_table(j, a)
-        self._take(*self._unit_taken(i), *self._unit_taken(j))
-        sites = (self._unit_sites("swap", i, e.unit_slots[j])
-                 + self._unit_sites("swap", j, e.unit_slots[i]))
-        return self._fault("swap", target, i, sites, detail=int(e.position[j]),
+        return self._fault("swap", target, i, self._remap("swap", [(i, j), (j, i)]),
+                           detail=int(e.position[j]),
                            note=f"exchanged with position {int(e.position[j])}")
 
     def _apply_slot_zero(self, target, i):
@@ -480,14 +464,6 @@ class FaultInjector:
         self._take(*self._unit_taken(i))
         return self._fault("slot-zero", target, i, self._unit_sites("slot-zero", i, 0),
                            note="seen only by kvcanary's SLOT_ZERO_IN_PREFIX extension")
-
-
-def _descends(block, ancestor) -> bool:
-    while block is not None:
-        if block is ancestor:
-            return True
-        block = block.parent
-    return False
 
 
 class _NoTarget(Exception):

@@ -97,9 +97,8 @@ class PrefixCache:
             parent = block
         self.allocator.free_slots(row_slots[full * B:seq_len])
 
-    def drop_subtree(self, block: CachedBlock) -> None:
-        """Forget ``block`` and every cached block below it (their slots are not freed: the
-        caller decides what happens to them)."""
+    def subtree(self, block: CachedBlock) -> list:
+        """``block`` and every cached block below it, in cache order."""
         def below(b):
             while b is not None:
                 if b is block:
@@ -107,8 +106,13 @@ class PrefixCache:
                 b = b.parent
             return False
 
-        for key in [key for key, b in self.blocks.items() if below(b)]:
-            del self.blocks[key]
+        return [b for b in self.blocks.values() if below(b)]
+
+    def drop_subtree(self, block: CachedBlock) -> None:
+        """Forget ``block`` and every cached block below it (their slots are not freed: the
+        caller decides what happens to them)."""
+        for b in self.subtree(block):
+            del self.blocks[b.key]
         if block.parent is not None:
             block.parent.children -= 1
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from kernel_harness.fixtures import require_compiler
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -18,8 +17,8 @@ def _load(name):
     return module
 
 
+@pytest.mark.needs_compiler
 def test_cpu_kernel_benchmark_quick(capsys):
-    require_compiler()
     assert _load("bench_kernels_cpu").main(["--quick", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     for label in ("verify 8x64 NONE", "verify 8x64 ALL 2x256B", "write 2x64", "write 8x1"):

@@ -6,7 +6,6 @@ from click.testing import CliRunner
 
 from kvcanary.cli.main import main
 from kernel_harness import CpuKernels
-from kernel_harness.fixtures import require_compiler
 from kvcanary.smoke import FAULTS, run_smoke
 
 
@@ -37,10 +36,10 @@ def test_smoke_rejects_a_bound_above_64():
 
 
 @pytest.mark.parametrize("bound", [1, 6])
+@pytest.mark.needs_compiler
 def test_smoke_logic_passes_on_the_cpu_kernels(bound):
     import numpy as np
 
-    require_compiler()
     report = run_smoke(bound, xp=np, device=CpuKernels(multiprocessor_count=2))
     assert report.ok, "\n".join(report.lines())
     names = [name for name, _, _ in report.checks]
@@ -61,10 +60,10 @@ class _VerifyForgetsRealKv(CpuKernels):
         super().verify(blind, plan, check_expected_token=check_expected_token)
 
 
+@pytest.mark.needs_compiler
 def test_smoke_fails_when_the_device_misses_a_fault():
     import numpy as np
 
-    require_compiler()
     report = run_smoke(2, xp=np, device=_VerifyForgetsRealKv(multiprocessor_count=2))
     assert not report.ok
     assert report.lines()[-1] == "smoke: FAILED"

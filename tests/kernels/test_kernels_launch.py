@@ -8,13 +8,12 @@ import pytest
 import kvcanary as kc
 from builders import make_context, make_sources, make_verify_plan
 from kernel_harness import CpuKernels, load
-from kernel_harness.fixtures import require_compiler
 from kvcanary.cuda import launch as L
 
 
+@pytest.mark.needs_compiler
 @pytest.mark.parametrize("bound", [1, 4, 8, 64])
 def test_sources_dtype_matches_the_c_struct(bound):
-    require_compiler()
     lib = load(bound, False)
     dtype = L.sources_dtype(bound)
     assert dtype.itemsize == lib.kvc_cpu_sources_size()
@@ -73,8 +72,8 @@ def test_geometry_rejects_non_positive_sizes():
         L.grid_stride_geometry(10, 0)
 
 
+@pytest.mark.needs_compiler
 def test_verify_launch_spans_several_blocks_on_the_cpu():
-    require_compiler()
     kernels = CpuKernels(multiprocessor_count=3, threads_per_block=8)
     ctx = make_context(num_slots=200)
     kernels.verify(ctx, make_verify_plan(list(range(1, 200)), [0] * 199, [-1] * 199),

@@ -116,6 +116,8 @@ def test_verify_equals_oracle(seed):
     oracle.assert_matches(ctx, state)
 
 
+# Random verify capacities: undersized plans are compared with the oracle on purpose.
+@pytest.mark.filterwarnings("ignore::kvcanary.VerifyPlanTooSmall")
 @PROFILE
 @given(seeds)
 def test_plan_equals_oracle(seed):

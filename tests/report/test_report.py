@@ -206,7 +206,7 @@ def test_an_explain_like_report_without_maps_renders_what_it_has(tmp_path):
         "notes": ["one position across many slots"], "unknown_part": {"x": 1}}],
         command="explain")
     out = write_html(report, str(tmp_path / "explain.html"))
-    page = open(out, encoding="utf-8").read()
+    page = pathlib.Path(out).read_text(encoding="utf-8")
     assert "kvcanary explain" in page and "<canvas" not in page
     assert "the KV bytes of slot 42 changed after the write" in page
     assert "count=3; first_step=11" in page

@@ -15,5 +15,6 @@ EXAMPLES = os.environ.get("KVCANARY_FUZZ_SANITIZER_EXAMPLES", "100")
 
 @pytest.mark.skipif(os.environ.get("KVCANARY_HARNESS_SANITIZE") == "1",
                     reason="already running under the sanitizers")
+@pytest.mark.needs_compiler
 def test_api_fuzz_under_address_and_undefined_sanitizers():
     run_pytest_under_sanitizers(["api/test_fuzz_api.py"], KVCANARY_FUZZ_EXAMPLES=EXAMPLES)

@@ -5,6 +5,7 @@ rows and prefixes past the table, negative slots, SWA windows with a LUT, expect
 pools of both widths, several real-KV sources and small rings that overflow."""
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -97,6 +98,8 @@ def run_steps(rng, bound):
         kc.verify(ctx, verify_plan, check_expected_token=bool(rng.integers(0, 2)))
 
 
+# Random verify capacities: some steps are undersized on purpose (the disabled launch too).
+@pytest.mark.filterwarnings("ignore::kvcanary.VerifyPlanTooSmall")
 @SETTINGS
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_steps_match_reference(cpu_kernels, seed):  # noqa: F811
@@ -106,6 +109,7 @@ def test_random_steps_match_reference(cpu_kernels, seed):  # noqa: F811
     assert differential.compared == 12
 
 
+@pytest.mark.filterwarnings("ignore::kvcanary.VerifyPlanTooSmall")
 @settings(max_examples=10, derandomize=True, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), bound=st.sampled_from([1, 8]))

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from kernel_harness import compiler
-from kernel_harness.fixtures import NO_COMPILER
 
 TESTS = Path(__file__).resolve().parents[2]
 SUBSET = ["kernels/cpu/test_kernels_cpu_out_of_range.py",
@@ -28,9 +27,7 @@ def asan_runtime(cxx: str) -> str | None:
 def run_pytest_under_sanitizers(test_files, **extra_env) -> None:
     """Run the given test files in a pytest subprocess with the harness built under
     ASan/UBSan and the ASan runtime preloaded; fail with the sanitizer's report."""
-    cxx = compiler()
-    if cxx is None:
-        pytest.skip(NO_COMPILER)
+    cxx = compiler()   # the caller is marked needs_compiler
     runtime = asan_runtime(cxx)
     if runtime is None:
         pytest.skip(f"{cxx} has no AddressSanitizer runtime (libasan.so)")
@@ -49,5 +46,6 @@ def run_pytest_under_sanitizers(test_files, **extra_env) -> None:
     assert "passed" in result.stdout and "ERROR: AddressSanitizer" not in report
 
 
+@pytest.mark.needs_compiler
 def test_subset_under_address_and_undefined_sanitizers():
     run_pytest_under_sanitizers(SUBSET)

@@ -2,14 +2,14 @@
 several source-count bounds with exactly the options the cupy loader passes
 (``launch.compile_options``), and a bound outside [1, 64] or a missing define fails with
 the source's static_assert / #error text. cuda-core compiles to cubin, which needs NVRTC
-only (no driver); cupy.RawModule is never called here."""
+only (no driver); cupy.RawModule is never called here. tests/conftest.py skips the module
+where cuda-core is missing or NVRTC cannot compile (``needs_nvrtc``)."""
 
 import pytest
 
 from kvcanary.cuda import launch as L
 
-core = pytest.importorskip("cuda.core", reason="cuda-core (with cuda-bindings and "
-                           "nvidia-cuda-nvrtc) is not installed: pip install 'kvcanary[test]'")
+pytestmark = pytest.mark.needs_nvrtc
 
 ARCHES = ("sm_80", "sm_90")
 BOUNDS = (1, 4, 8, 64)
@@ -18,6 +18,8 @@ VARIANTS = [("verify", False), ("verify", True), ("write", False)]
 
 def program_options(options, arch):
     """cuda.core ProgramOptions equal to the loader's NVRTC option strings."""
+    from cuda import core
+
     std, includes, defines = None, [], []
     for option in options:
         if option.startswith("-std="):
@@ -34,23 +36,10 @@ def program_options(options, arch):
 
 
 def compile_kernel(kernel, bound, check, arch):
+    from cuda import core
+
     options = program_options(L.compile_options(kernel, bound, check), arch)
     return core.Program(L.kernel_source(kernel), "c++", options).compile("cubin")
-
-
-def _nvrtc_usable():
-    try:
-        compile_kernel("plan", None, False, "sm_80")
-    except Exception as exc:  # noqa: BLE001 - report why and skip
-        return f"NVRTC is not usable here: {type(exc).__name__}: {str(exc)[:200]}"
-    return None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nvrtc():
-    reason = _nvrtc_usable()
-    if reason:
-        pytest.skip(reason)
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -82,6 +71,8 @@ def test_missing_bound_fails_with_error_directive(kernel):
 
 
 def test_missing_verify_variant_define_fails():
+    from cuda import core
+
     options = program_options([o for o in L.compile_options("verify", 4, False)
                                if "KVC_CHECK_VERIFY_EXPECTED_TOKEN" not in o], "sm_80")
     with pytest.raises(Exception) as info:
