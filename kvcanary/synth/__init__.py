@@ -13,6 +13,7 @@ The parts of a serving engine, one module each:
 * ``kv_pool``: the canary records and real KV a step writes, and the canary launches of a
   step (plan, periodic verify, TAIL write); a violation in the honest run raises.
 * ``fault_kinds``: what a fault is (kinds, target classes, the bits each fires, its sites).
+* ``inject_spec``: the ``--inject`` grammar (``KIND[:COUNT][@CLASS]``) read and checked.
 * ``faults``: fault injection into the final state, at target classes (request heads, last
   tokens, window heads, chunk boundaries, shared and cached prefix blocks, the interior).
 * ``dump_writer``: the dump keys of a run (live requests, cache blocks as sweep entries,
@@ -28,8 +29,8 @@ from .config import MAX_SEED, MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthErr
 from .engine import Synthesis, synthesize
 from .fault_kinds import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS,
                           PAGED_FAULT_DESCRIPTIONS, PAGED_FAULT_KINDS, TARGET_CLASSES,
-                          TARGET_DESCRIPTIONS, Fault, Site, fault_kinds, inapplicable_kinds,
-                          parse_inject, site_bits)
+                          TARGET_DESCRIPTIONS, Fault, Site, fault_kinds, site_bits)
+from .inject_spec import inapplicable_kinds, parse_inject
 from .scoring import FaultOutcome, fault_note, faults_from_dump, score
 
 __all__ = [
