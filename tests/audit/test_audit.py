@@ -240,7 +240,7 @@ def test_sweep_chunks_keep_indices(tmp_path):
 
 
 def test_row_matching_keeps_order_among_identical_rows():
-    from kvcanary.audit import _match_rows
+    from kvcanary.audit.matching import _match_rows
 
     a, b, c = [2, 5, 1, 0, 0, 0, 0, 2], [2, 6, 1, 0, 0, 0, 0, 2], [2, 7, 0, 0, 0, 0, 0, 1]
     rows = np.array([b, a, a, c], dtype=np.int64)          # ring order (e.g. a GPU's)
