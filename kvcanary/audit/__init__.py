@@ -39,6 +39,7 @@ from collections import Counter
 
 import numpy as np
 
+from ..backends import resolve_backend
 from ..consts import MAX_REAL_KV_SOURCES
 from ..diagnosis import Diagnosis, likely_cause
 from ..dump import load
@@ -51,28 +52,9 @@ from .result import (CHUNK_ENTRIES, DEFAULT_MAX_FINDINGS, AuditError, AuditResul
                      CheckedLaunch, Finding, RequestSummary)
 from .tally import _Tally
 
-__all__ = ["BACKENDS", "CHUNK_ENTRIES", "DEFAULT_MAX_FINDINGS", "AuditError", "AuditResult",
-           "CheckedLaunch", "Diagnosis", "Finding", "RequestSummary", "audit", "likely_cause",
-           "resolve_backend"]
+__all__ = ["CHUNK_ENTRIES", "DEFAULT_MAX_FINDINGS", "AuditError", "AuditResult", "CheckedLaunch",
+           "Diagnosis", "Finding", "RequestSummary", "audit", "likely_cause"]
 
-BACKENDS = ("auto", "numpy", "cupy")
-
-
-def resolve_backend(name: str) -> str:
-    """``auto`` -> ``cupy`` when a CUDA device is usable, else ``numpy``."""
-    if name not in BACKENDS:
-        raise AuditError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    if name == "numpy":
-        return "numpy"
-    from ..cuda import CudaUnavailable, require_cupy
-
-    try:
-        require_cupy()
-    except CudaUnavailable as exc:
-        if name == "cupy":
-            raise AuditError(f"backend cupy is not usable: {str(exc).removeprefix('kv-canary: ')}") from None
-        return "numpy"
-    return "cupy"
 
 
 def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
@@ -94,7 +76,10 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     if isinstance(dump, (str, os.PathLike)):
         dump = load(dump)
     d = dump
-    chosen = resolve_backend(backend)
+    try:
+        chosen = resolve_backend(backend)
+    except ValueError as exc:
+        raise AuditError(str(exc).removeprefix("kv-canary: ")) from None
     live = _live_requests(d)
     live_entries = live.entries
     total_entries = live_entries + d.num_sweep_entries
