@@ -56,7 +56,6 @@ __all__ = ["CHUNK_ENTRIES", "DEFAULT_MAX_FINDINGS", "AuditError", "AuditResult",
            "Diagnosis", "Finding", "RequestSummary", "audit", "likely_cause"]
 
 
-
 def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
           ring_capacity: int | None = None, max_findings: int = DEFAULT_MAX_FINDINGS,
           compat: bool = False, chunk_entries: int = CHUNK_ENTRIES, progress=None,

@@ -8,8 +8,9 @@ import itertools
 
 import numpy as np
 
-from ..diagnosis import Evidence, diagnose, record_links
+from ..diagnosis import diagnose
 from ..dump import Dump
+from ..evidence import Evidence, record_links
 from ..rules import canary_fields
 from .launches import _Launcher, _live_launches, _LiveRequests, _sweep_launches
 from .result import CHUNK_ENTRIES

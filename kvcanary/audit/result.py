@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..diagnosis import Diagnosis, Entry
+from ..diagnosis import Diagnosis
+from ..evidence import Entry
 from ..violations import Violation
 
 # Plan entries per verify launch: bounds the plan and ring memory of one chunk.
