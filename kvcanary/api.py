@@ -13,26 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import arrays as A
+from .backends import backend_module
 from .consts import REQ_POOL_IDX_PADDING
 from .rules import window_start
 from .types import CanaryContext, VerifyPlan, WritePlan, to_host
 
 _INT64 = (np.int64,)
 _TABLE_DTYPES = (np.int32, np.int64)
-BACKENDS = ("numpy", "cupy")
-
-
-def _backend_module(name: str):
-    """A module with ``plan``, ``write`` and ``verify`` taking validated arguments."""
-    if name == "numpy":
-        from . import reference
-
-        return reference.BACKEND
-    if name == "cupy":
-        from . import cuda
-
-        return cuda.backend()
-    raise ValueError(f"kv-canary: backend must be one of {', '.join(BACKENDS)} or None, got {name!r}")
+# The dispatch seam (a name the kernel harness can swap for a test backend).
+_backend_module = backend_module
 
 
 def _check_token_array(x, name: str, length: int | None) -> None:
@@ -110,8 +99,9 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
 
     Arrays of one library run there (numpy: the reference; cupy: the CUDA kernels on the
     current stream, no allocation, no host synchronisation, so a step can be captured in a
-    CUDA graph after one eager run); ``backend="numpy"``/``"cupy"`` forces one, copying the
-    arrays over and the outputs back. Bad arguments raise ``ValueError`` naming the argument.
+    CUDA graph after one eager run); ``backend="numpy"``/``"cupy"`` forces one (``"auto"``:
+    cupy when a CUDA device is usable, else numpy), copying the arrays over and the outputs
+    back. Bad arguments raise ``ValueError`` naming the argument.
 
     >>> import numpy as np, kvcanary as kc
     >>> vp, wp = kc.VerifyPlan.allocate(64), kc.WritePlan.allocate(4)

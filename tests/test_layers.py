@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvcanary"
 LAYERS = [
     ("core", ["consts", "types", "hashing", "rules", "arrays", "dlpack", "violations",
               "kernel_source", "interrupt", "atomic"]),
-    ("backends", ["reference", "cuda"]),
+    ("backends", ["reference", "cuda", "backends"]),
     ("api", ["api", "transfer"]),
     ("findings", ["evidence", "diagnosis", "attribution"]),
     ("dump", ["dump"]),

@@ -14,7 +14,8 @@ from collections import Counter
 
 import numpy as np
 
-from ..audit import AuditError, audit, resolve_backend
+from ..audit import audit
+from ..backends import cupy_unavailable, resolve_backend
 from ..interrupt import WorkerPool
 from ..synth import MODES, SynthConfig, SynthError, Synthesis, faults_from_dump, score
 from ..synth.fault_kinds import PAIR_SHAPES
@@ -171,21 +172,16 @@ def run_clean_task(task: dict) -> dict:
 
 
 def resolve_backends(name: str):
-    """``(backends that run, {backend not run: why})`` for ``auto``, ``numpy`` or ``cupy``."""
-    if name not in ("auto", "numpy", "cupy"):
-        raise CampaignError(f"--backend must be auto, numpy or cupy, got {name!r}")
-    if name == "numpy":
-        return ["numpy"], {"cupy": "not requested (--backend numpy)"}
-    if name == "cupy":
-        try:
-            resolve_backend("cupy")
-        except AuditError as exc:
-            raise CampaignError(f"--backend cupy: {exc}") from None
-        return ["cupy"], {"numpy": "not requested (--backend cupy)"}
-    from ..cuda import unavailable_reason
-
-    why = unavailable_reason()
-    return (["numpy"], {"cupy": why}) if why else (["numpy", "cupy"], {})
+    """``(backends that run, {backend not run: why})`` for ``auto``, ``numpy`` or ``cupy``:
+    ``auto`` runs both where a CUDA device is usable."""
+    try:
+        chosen = resolve_backend(name)
+    except ValueError as exc:   # the option's name leads, as in the other option errors
+        raise CampaignError("--" + str(exc).removeprefix("kv-canary: ")) from None
+    if name == "auto":
+        return (["numpy", "cupy"], {}) if chosen == "cupy" else (["numpy"], {"cupy": cupy_unavailable()})
+    other = "cupy" if chosen == "numpy" else "numpy"
+    return [chosen], {other: f"not requested (--backend {chosen})"}
 
 
 def machine_description() -> str:

@@ -10,7 +10,8 @@ import sys
 import click
 
 from kvcanary import MAX_REAL_KV_SOURCES, MAX_REAL_KV_SOURCES_LIMIT
-from kvcanary.audit import BACKENDS, DEFAULT_MAX_FINDINGS
+from kvcanary.audit import DEFAULT_MAX_FINDINGS
+from kvcanary.backends import BACKENDS
 from kvcanary.interrupt import signals_held
 
 from .common import (

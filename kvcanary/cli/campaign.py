@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from kvcanary.audit import BACKENDS
+from kvcanary.backends import BACKENDS
 from kvcanary.campaign import DEFAULT_CLEAN_RUNS, DEFAULT_FAULTS_PER_KIND
 
 from .common import EXIT_CLEAN, EXIT_VIOLATIONS, JOBS_RANGE, SEED_RANGE, Progress, error_boundary, fail

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from kvcanary.audit import BACKENDS
+from kvcanary.backends import BACKENDS
 from kvcanary.synth import MODES
 from kvcanary.violations import reason_labels
 

@@ -7,8 +7,8 @@ from collections import Counter
 
 import click
 
-from kvcanary.api import BACKENDS as LAUNCH_BACKENDS
 from kvcanary.audit import DEFAULT_MAX_FINDINGS
+from kvcanary.backends import LIBRARIES
 from kvcanary.synth import MODES
 
 from .common import SEED_RANGE, Progress, error_boundary, fail
@@ -88,7 +88,7 @@ def check_out(out: str, force: bool) -> None:
 @synth_options
 @click.option("--mode", type=click.Choice(MODES), default="all",
               show_default=True, help="Real-KV hash mode.")
-@click.option("--backend", type=click.Choice(LAUNCH_BACKENDS), default="numpy",
+@click.option("--backend", type=click.Choice(LIBRARIES), default="numpy",
               show_default=True,
               help="Backend of every plan/write/verify launch (cupy moves the arrays per "
                    "launch: keep such runs small).")

@@ -10,15 +10,27 @@ class CudaUnavailable(RuntimeError):
     """cupy is missing or sees no CUDA device; the message says which."""
 
 
-_CUPY = None   # cupy, once a device was seen: checked once per process, not per launch
+_CUPY = None      # cupy, once a device was seen: checked once per process, not per launch
+_MISSING = None   # why not, once the check failed: a failed import or driver call is not retried
 
 
 def require_cupy():
     """Return the cupy module with a usable device, or raise CudaUnavailable. The first
-    success is cached: launches do not count devices again."""
-    global _CUPY
+    answer is cached: launches and backend resolutions do not count devices again."""
+    global _CUPY, _MISSING
     if _CUPY is not None:
         return _CUPY
+    if _MISSING is not None:
+        raise CudaUnavailable(_MISSING)
+    try:
+        _CUPY = _device_cupy()
+    except CudaUnavailable as exc:
+        _MISSING = str(exc)
+        raise
+    return _CUPY
+
+
+def _device_cupy():
     try:
         import cupy
     except ImportError as exc:
@@ -32,7 +44,6 @@ def require_cupy():
         raise CudaUnavailable(f"kv-canary: cupy sees no CUDA device ({exc})") from exc
     if count < 1:
         raise CudaUnavailable("kv-canary: cupy sees no CUDA device")
-    _CUPY = cupy
     return cupy
 
 

@@ -264,5 +264,5 @@ def test_plan_bs_exceeds_write_capacity():
 
 
 def test_unknown_backend():
-    with raises("kv-canary: backend must be one of numpy, cupy or None, got 'torch'"):
+    with raises("kv-canary: backend must be one of auto, numpy, cupy, got 'torch'"):
         kc.verify(make_context(), make_verify_plan([1], [0], [-1]), backend="torch")

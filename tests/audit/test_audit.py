@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary.audit import AuditError, audit, likely_cause, resolve_backend
+from kvcanary.audit import AuditError, audit, likely_cause
+from kvcanary.backends import cupy_unavailable
 from kvcanary.consts import PLAN_SLOT_OUT_OF_TABLE, FailReason
 from kvcanary.dump import load, save
 
@@ -192,20 +193,14 @@ def test_source_bound_is_enforced(tmp_path):
     assert run(tmp_path, arrays, "b.npz", max_real_kv_sources=5).clean
 
 
-def test_backend_resolution_without_a_gpu():
-    assert resolve_backend("numpy") == "numpy"
-    try:
-        from kvcanary.cuda import require_cupy
-
-        require_cupy()
-    except Exception:
-        assert resolve_backend("auto") == "numpy"
-        with pytest.raises(AuditError, match="backend cupy is not usable"):
-            resolve_backend("cupy")
-    else:  # pragma: no cover - machines with a GPU
-        assert resolve_backend("auto") == "cupy"
-    with pytest.raises(AuditError, match="backend must be one of"):
-        resolve_backend("tpu")
+def test_a_backend_that_cannot_run_is_an_audit_error(tmp_path):
+    dump = load(save(str(tmp_path / "d.npz"), **build()))
+    with pytest.raises(AuditError, match=r"^backend must be one of auto, numpy, cupy, got 'tpu'$"):
+        audit(dump, backend="tpu")
+    assert audit(dump, backend="auto").backend == ("numpy" if cupy_unavailable() else "cupy")
+    if cupy_unavailable():
+        with pytest.raises(AuditError, match="^backend cupy is not usable: "):
+            audit(dump, backend="cupy")
 
 
 def test_likely_cause_of_a_broken_chain_head():
@@ -240,7 +235,7 @@ def test_sweep_chunks_keep_indices(tmp_path):
 
 
 def test_row_matching_keeps_order_among_identical_rows():
-    from kvcanary.audit import _match_rows
+    from kvcanary.audit.matching import _match_rows
 
     a, b, c = [2, 5, 1, 0, 0, 0, 0, 2], [2, 6, 1, 0, 0, 0, 0, 2], [2, 7, 0, 0, 0, 0, 0, 1]
     rows = np.array([b, a, a, c], dtype=np.int64)          # ring order (e.g. a GPU's)

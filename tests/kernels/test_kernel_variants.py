@@ -42,8 +42,28 @@ def test_a_device_is_counted_once_per_process(monkeypatch):
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cuda, "_CUPY", None)
+    monkeypatch.setattr(cuda, "_MISSING", None)
     assert cuda.require_cupy() is fake and cuda.require_cupy() is fake
     assert cuda.unavailable_reason() is None
+    assert counts == [1]
+
+
+def test_a_missing_device_is_probed_once_per_process(monkeypatch):
+    counts = []
+
+    def no_device():
+        counts.append(1)
+        return 0
+
+    runtime = types.SimpleNamespace(getDeviceCount=no_device)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=runtime)))
+    monkeypatch.setattr(cuda, "_CUPY", None)
+    monkeypatch.setattr(cuda, "_MISSING", None)
+    for _ in range(3):
+        with pytest.raises(cuda.CudaUnavailable, match="cupy sees no CUDA device"):
+            cuda.require_cupy()
+    assert cuda.unavailable_reason() == "cupy sees no CUDA device"
     assert counts == [1]
 
 
