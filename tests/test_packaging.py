@@ -40,3 +40,13 @@ def test_the_test_extra_brings_one_array_framework_and_the_nvrtc_check():
         assert needed in test
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert ci.index("pip install --quiet 'torch==2.13.0+cpu'") < ci.index("python -m pytest")
+
+
+def test_every_subpackage_is_listed_for_the_wheel():
+    # The package list is explicit (the kernels map from a folder outside the package), so a
+    # new subpackage missing from it would be absent from an installed kvcanary.
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "kvcanary").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
+    assert "kvcanary.kernels" in listed
