@@ -22,6 +22,7 @@ import os
 import re
 import stat
 import struct
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -443,14 +444,16 @@ def _refuse_a_folder_of_dumps(path: str) -> None:
 
 
 # Reads of a directory dump that a concurrent save replaced midway, retried from the start.
-_DIR_READ_ATTEMPTS = 20
+_DIR_READ_ATTEMPTS = 100
 
 
 def _read_dir(path: str) -> dict:
     """Every ``.npy`` of one version of the directory: the files are opened through one
     handle on the directory, and a read during which ``save`` swapped in a new version
     (the old one may lose files as it is removed) starts again on the new one."""
-    for _ in range(_DIR_READ_ATTEMPTS):
+    for attempt in range(_DIR_READ_ATTEMPTS):
+        if attempt:   # back off a little, so a busy writer cannot starve the reader
+            time.sleep(min(0.001 * attempt, 0.05))
         try:
             handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
