@@ -16,6 +16,7 @@ from .consts import (
     RealKvHashMode,
 )
 from .diagnosis import Diagnosis, diagnose
+from .errors import CanaryError
 from .hashing import CHAIN_HEAD, splitmix64, splitmix64_mix3
 from .types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
 from .violations import Violation
@@ -29,6 +30,7 @@ __all__ = [
     "MAX_REAL_KV_SOURCES",
     "MAX_REAL_KV_SOURCES_LIMIT",
     "CanaryContext",
+    "CanaryError",
     "Diagnosis",
     "PlanReport",
     "FailReason",

@@ -15,6 +15,7 @@ import numpy as np
 from . import arrays as A
 from .backends import backend_module
 from .consts import REQ_POOL_IDX_PADDING
+from .errors import CanaryError
 from .rules import window_start
 from .types import CanaryContext, VerifyPlan, WritePlan, to_host
 
@@ -117,9 +118,9 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
     kv_token_id_vs_position_offset = A.check_int64(kv_token_id_vs_position_offset,
                                                    "kv_token_id_vs_position_offset")
     if swa_window_size > 0 and full_to_swa_index_mapping is None:
-        raise ValueError(
-            "kv-canary: launch_canary_plan_kernels requires full_to_swa_index_mapping when "
-            "swa_window_size > 0"
+        raise CanaryError(
+            "launch_canary_plan_kernels requires full_to_swa_index_mapping when "
+            "swa_window_size > 0", key="full_to_swa_index_mapping"
         )
     inputs = {
         "req_pool_indices": A.as_array(req_pool_indices, "req_pool_indices"),
@@ -146,9 +147,10 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
     valid_lens = inputs["req_to_verify_expected_tokens_valid_lens"]
     if pool is not None:
         if valid_lens is None:
-            raise ValueError(
-                "kv-canary: launch_canary_plan_kernels requires "
-                "req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
+            raise CanaryError(
+                "launch_canary_plan_kernels requires "
+                "req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set",
+                key="req_to_verify_expected_tokens_valid_lens"
             )
         A.check_array(pool, "req_to_verify_expected_tokens", _TABLE_DTYPES, 2)
         A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", _INT64, 1, bs)
@@ -157,7 +159,8 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
     verify_plan.validate()
     write_plan.validate()
     if bs > write_plan.write_req_capacity:
-        raise ValueError(f"kv-canary: bs={bs} exceeds write_req_capacity={write_plan.write_req_capacity}")
+        raise CanaryError(f"bs={bs} exceeds write_req_capacity={write_plan.write_req_capacity}",
+                          key="bs")
     outputs = {**verify_plan.arrays(), **write_plan.arrays()}
     for name, array in outputs.items():
         A.check_writeable(array, name)
@@ -173,15 +176,15 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
     report = PlanReport(entries_needed(rows, inputs["prefix_lens"], swa_window_size),
                         verify_plan.verify_capacity, bs)
     if not report.enabled:
-        message = (f"kv-canary: the verify plan holds {report.verify_capacity} entries but "
+        message = (f"the verify plan holds {report.verify_capacity} entries but "
                    f"the batch has {report.entries_needed} prefix entries: this step is not "
                    f"verified (enable = 0); allocate VerifyPlan.allocate(n) with n >= "
                    f"{report.entries_needed}")
         if strict:
-            raise ValueError(message)
+            raise CanaryError(message, key="verify_plan")
         if not getattr(verify_plan, "_warned_too_small", False):
             verify_plan._warned_too_small = True
-            warnings.warn(VerifyPlanTooSmall(message.removeprefix("kv-canary: ")), stacklevel=2)
+            warnings.warn(VerifyPlanTooSmall(message), stacklevel=2)
     return report
 
 
@@ -189,17 +192,18 @@ def _slot_table(req_to_token, block_table, block_size) -> tuple:
     """``(name, table, block_size)`` from exactly one of the two table arguments."""
     if (req_to_token is None) == (block_table is None):
         given = "both" if block_table is not None else "neither"
-        raise ValueError(f"kv-canary: plan needs exactly one of req_to_token or block_table, "
-                         f"got {given}")
+        raise CanaryError(f"plan needs exactly one of req_to_token or block_table, "
+                          f"got {given}")
     if block_table is None:
         if block_size is not None:
-            raise ValueError("kv-canary: block_size goes with block_table, not req_to_token")
+            raise CanaryError("block_size goes with block_table, not req_to_token",
+                              key="block_size")
         return "req_to_token", A.as_array(req_to_token, "req_to_token"), 1
     if block_size is None:
-        raise ValueError("kv-canary: block_table needs block_size (tokens per block, >= 1)")
+        raise CanaryError("block_table needs block_size (tokens per block, >= 1)", key="block_size")
     block_size = A.check_int64(block_size, "block_size")
     if block_size < 1:
-        raise ValueError(f"kv-canary: block_size must be >= 1, got {block_size}")
+        raise CanaryError(f"block_size must be >= 1, got {block_size}", key="block_size")
     return "block_table", A.as_array(block_table, "block_table"), block_size
 
 
@@ -257,8 +261,8 @@ def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_
         _check_token_array(array, name, length)
     given = [array is not None for array in expected.values()]
     if any(given) and not all(given):
-        raise ValueError(
-            "kv-canary: expected input tensors are required when enable_write_input_assert=True"
+        raise CanaryError(
+            "expected input tensors are required when enable_write_input_assert=True"
         )
     if all(given):
         for name, array in expected.items():
@@ -284,8 +288,8 @@ def _check_tokens_cover_the_plan(plan: WritePlan, length: int) -> None:
     offsets = plan.write_offsets[: active + 1]
     if (active and int(offsets[-1]) > length and int(offsets[0]) == 0
             and bool((offsets[1:] >= offsets[:-1]).all())):
-        raise ValueError(
-            f"kv-canary: input_ids, positions and out_cache_loc have {length} entries but the "
+        raise CanaryError(
+            f"input_ids, positions and out_cache_loc have {length} entries but the "
             f"write plan covers {int(offsets[-1])} tokens (write_offsets[{active}], "
             f"write_num_valid_reqs = {active}): pass one entry per planned token")
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import dlpack
+from .errors import CanaryError, CanaryTypeError
 
 
 _LIBRARIES: dict = {}  # type -> "cupy" or "numpy", learnt once: asked of every argument
@@ -48,22 +49,22 @@ def as_array(x, name: str, *, untyped_as_bytes: bool = False):
         except (BufferError, RuntimeError, TypeError) as exc:
             tensor = dlpack.export(x, name)
             if tensor.numpy_dtype is not None:
-                raise ValueError(f"kv-canary: {name} cannot be imported through DLPack "
-                                 f"({exc})") from exc
+                raise CanaryError(f"{name} cannot be imported through DLPack "
+                                  f"({exc})", key=name) from exc
         if not untyped_as_bytes:
-            raise ValueError(
-                f"kv-canary: {name} has element type {tensor.type_name}, which kvcanary cannot "
+            raise CanaryError(
+                f"{name} has element type {tensor.type_name}, which kvcanary cannot "
                 "use here; only real-KV source tensors (and dumped real_kv_* keys) are read "
-                "as raw bytes, whatever their element type")
+                "as raw bytes, whatever their element type", key=name)
         view = _dlpack_bytes(tensor)
         if view.array is None:
-            raise ValueError(f"kv-canary: {name} cannot be read as bytes: its last dimension "
-                             f"is not unit-stride (strides={view.strides})")
+            raise CanaryError(f"{name} cannot be read as bytes: its last dimension "
+                              f"is not unit-stride (strides={view.strides})", key=name)
         return view.array
     try:
         array = np.asarray(x)
     except Exception as exc:
-        raise TypeError(f"kv-canary: {name} is not an array: {type(x).__name__}") from exc
+        raise CanaryTypeError(f"{name} is not an array: {type(x).__name__}", key=name) from exc
     # A list is copied anyway: its integers are read as int64 on every platform (numpy's
     # default integer is int32 on some), the dtype of every integer input but the tables'.
     if isinstance(x, (list, tuple, int)) and array.dtype.kind in "iu" \
@@ -80,8 +81,8 @@ def _library_from_dlpack(x, name: str):
         return np.from_dlpack(x)
     if device_type in dlpack.CUDA_DEVICES:
         return dlpack.import_cupy(name).from_dlpack(x)
-    raise ValueError(f"kv-canary: {name} lives on DLPack device type {device_type}, "
-                     "which kvcanary does not support")
+    raise CanaryError(f"{name} lives on DLPack device type {device_type}, "
+                      "which kvcanary does not support", key=name)
 
 
 @dataclass(frozen=True)
@@ -140,23 +141,23 @@ def check_dtype(x, name: str, *dtypes) -> None:
         allowed = _DTYPES[dtypes] = tuple(np.dtype(d) for d in dtypes)
     if x.dtype not in allowed:
         wanted = " or ".join(str(d) for d in allowed)
-        raise ValueError(f"kv-canary: {name} must have dtype {wanted}, got {x.dtype} "
-                         f"({CONVERTS_NO_ARRAY})")
+        raise CanaryError(f"{name} must have dtype {wanted}, got {x.dtype} "
+                          f"({CONVERTS_NO_ARRAY})", key=name)
 
 
 def check_ndim(x, name: str, ndim: int) -> None:
     if x.ndim != ndim:
-        raise ValueError(f"kv-canary: {name} must be {ndim}-D, got shape {tuple(x.shape)}")
+        raise CanaryError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}", key=name)
 
 
 def check_length(x, name: str, expected: int) -> None:
     if x.shape[0] != expected:
-        raise ValueError(f"kv-canary: {name} length must be {expected}, got {x.shape[0]}")
+        raise CanaryError(f"{name} length must be {expected}, got {x.shape[0]}", key=name)
 
 
 def check_contiguous(x, name: str) -> None:
     if not x.flags.c_contiguous:
-        raise ValueError(f"kv-canary: {name} must be contiguous")
+        raise CanaryError(f"{name} must be contiguous", key=name)
 
 
 def data_address(x) -> int:
@@ -169,8 +170,9 @@ def check_aligned(x, name: str, alignment: int | None = None) -> None:
     array is a fault on the GPU, so it is refused on every backend."""
     alignment = alignment or x.dtype.itemsize
     if x.size and data_address(x) % alignment:
-        raise ValueError(f"kv-canary: {name} must be aligned to {alignment} bytes, got data "
-                         f"starting {data_address(x) % alignment} byte(s) past a boundary")
+        raise CanaryError(f"{name} must be aligned to {alignment} bytes, got data "
+                          f"starting {data_address(x) % alignment} byte(s) past a boundary",
+                          key=name)
 
 
 def byte_span(x) -> tuple:
@@ -189,8 +191,8 @@ def check_disjoint(arrays: dict) -> None:
                    if array is not None and getattr(array, "size", 0))
     for ((_, end), first), ((begin, _), second) in zip(spans, spans[1:]):
         if begin < end:
-            raise ValueError(f"kv-canary: {first} and {second} share memory; pass separate "
-                             "arrays (a launch writes one of them in place)")
+            raise CanaryError(f"{first} and {second} share memory; pass separate "
+                              "arrays (a launch writes one of them in place)", key=first)
 
 
 def array_state(x):
@@ -213,16 +215,16 @@ def array_state(x):
 def check_writeable(x, name: str) -> None:
     """Launch outputs are written in place: a read-only array is refused, never written."""
     if isinstance(x, np.ndarray) and not x.flags.writeable:
-        raise ValueError(f"kv-canary: {name} is read-only but the launch writes it")
+        raise CanaryError(f"{name} is read-only but the launch writes it", key=name)
 
 
 def check_int64(value, name: str) -> int:
     """A scalar argument as a Python int inside int64 (the kernels take it as int64_t)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"kv-canary: {name} must be an integer, got {type(value).__name__}")
+        raise CanaryTypeError(f"{name} must be an integer, got {type(value).__name__}", key=name)
     value = int(value)
     if not -(1 << 63) <= value < (1 << 63):
-        raise ValueError(f"kv-canary: {name} must fit in int64, got {value}")
+        raise CanaryError(f"{name} must fit in int64, got {value}", key=name)
     return value
 
 
@@ -247,9 +249,9 @@ def same_library(reference_name: str, reference, **arrays) -> str:
     libraries = _LIBRARIES
     for name, array in arrays.items():
         if array is not None and (libraries.get(type(array)) or library_of(array)) != library:
-            raise ValueError(
-                f"kv-canary: {name} is a {library_of(array)} array but {reference_name} is a "
-                f"{library} array; pass arrays of one library (or convert them)"
+            raise CanaryError(
+                f"{name} is a {library_of(array)} array but {reference_name} is a "
+                f"{library} array; pass arrays of one library (or convert them)", key=name
             )
     return library
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .consts import EXPECTED_TOKEN_UNKNOWN, FailReason
+from .errors import CanaryError
 from .diagnosis import CHAIN_HEAD_INT64, Diagnosis, Entry, Evidence, diagnose, failed_checks, \
     record_links
 from .rules import window_start
@@ -114,9 +115,9 @@ def attribute(context, plan, *, req_pool_indices, prefix_lens, swa_window_size: 
     batch_rows = to_host(req_pool_indices).astype(np.int64)
     batch = _entry_batch(batch_rows, to_host(prefix_lens).astype(np.int64), swa_window_size)
     if batch.shape[0] != n:
-        raise ValueError(f"kv-canary: the plan holds {n} entries but req_pool_indices / "
-                         f"prefix_lens describe {batch.shape[0]}: pass the batch the plan "
-                         "was built from")
+        raise CanaryError(f"the plan holds {n} entries but req_pool_indices / "
+                          f"prefix_lens describe {batch.shape[0]}: pass the batch the plan "
+                          "was built from")
     records = canary_fields(to_host(context.canary_buf))
     entry_of = _match(rows, slots, prevs, positions, tokens, records)
     evidence = Evidence.from_entries(

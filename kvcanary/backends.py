@@ -8,6 +8,8 @@ answer), so resolving again costs nothing."""
 
 from __future__ import annotations
 
+from .errors import CanaryError
+
 BACKENDS = ("auto", "numpy", "cupy")
 # The array libraries a resolved backend runs on.
 LIBRARIES = ("numpy", "cupy")
@@ -15,7 +17,8 @@ LIBRARIES = ("numpy", "cupy")
 
 def _known(name: str) -> str:
     if name not in BACKENDS:
-        raise ValueError(f"kv-canary: backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+        raise CanaryError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}",
+                          key="backend")
     return name
 
 
@@ -43,7 +46,7 @@ def resolve_backend(name: str) -> str:
     if why is None:
         return "cupy"
     if name == "cupy":
-        raise ValueError(f"kv-canary: backend cupy is not usable: {why}")
+        raise CanaryError(f"backend cupy is not usable: {why}", key="backend")
     return "numpy"
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .audit import audit
 from .dump import load, save
+from .errors import CanaryError
 from .synth import FAULT_KINDS, Synthesis, SynthConfig, faults_from_dump, score
 from .violations import reason_labels
 
@@ -137,7 +138,7 @@ def run_engine_demo(engine: str = "transformers", seed: int = 0) -> EngineDemoRe
     remapped onto another request's block (a fault in the engine's own state). Needs torch
     and transformers (``ImportError`` otherwise)."""
     if engine != "transformers":
-        raise ValueError(f"kv-canary: demo engine must be 'transformers', got {engine!r}")
+        raise CanaryError(f"demo engine must be 'transformers', got {engine!r}")
     import random
 
     import torch

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import CanaryError
+
 # dlpack.h device types
 CPU, CUDA, CUDA_HOST, CUDA_MANAGED = 1, 2, 3, 13
 HOST_DEVICES = (CPU, CUDA_HOST)
@@ -113,8 +115,8 @@ def export(x, name: str) -> Tensor:
             # The producer orders its work before this stream (1: the legacy default stream).
             capsule = _call_dlpack(x, name, stream=cupy.cuda.get_current_stream().ptr or 1)
     else:
-        raise ValueError(f"kv-canary: {name} lives on DLPack device type {device_type}, "
-                         "which kvcanary does not support")
+        raise CanaryError(f"{name} lives on DLPack device type {device_type}, "
+                          "which kvcanary does not support", key=name)
     return _read_capsule(capsule, name)
 
 
@@ -122,8 +124,8 @@ def import_cupy(name: str):
     try:
         import cupy
     except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise ValueError(f"kv-canary: {name} lives in GPU memory; install kvcanary[cuda12] or "
-                         "kvcanary[cuda13] (cupy) to use it") from exc
+        raise CanaryError(f"{name} lives in GPU memory; install kvcanary[cuda12] or "
+                          "kvcanary[cuda13] (cupy) to use it", key=name) from exc
     return cupy
 
 
@@ -133,7 +135,7 @@ def _call_dlpack(x, name: str, stream):
     except TypeError:
         pass  # a producer older than the versioned protocol: no max_version or copy keywords
     except BufferError as exc:
-        raise ValueError(f"kv-canary: {name} cannot be shared without a copy ({exc})") from None
+        raise CanaryError(f"{name} cannot be shared without a copy ({exc})", key=name) from None
     return x.__dlpack__() if stream is None else x.__dlpack__(stream=stream)
 
 
@@ -143,14 +145,14 @@ def _read_capsule(capsule, name: str) -> Tensor:
         major, minor, _, _, flags = _VERSIONED_HEAD.unpack(
             ctypes.string_at(address, _VERSIONED_HEAD.size))
         if major > 1:
-            raise ValueError(f"kv-canary: {name} is a DLPack {major}.{minor} tensor; kvcanary "
-                             "reads DLPack 1.x")
+            raise CanaryError(f"{name} is a DLPack {major}.{minor} tensor; kvcanary "
+                              "reads DLPack 1.x", key=name)
         address += _VERSIONED_HEAD.size
     elif _capsule_is_valid(capsule, b"dltensor"):
         address = _capsule_pointer(capsule, b"dltensor")
         flags = _FLAG_READ_ONLY  # an unversioned export cannot say it is writable (numpy agrees)
     else:
-        raise ValueError(f"kv-canary: {name}.__dlpack__() did not return an unused DLPack capsule")
+        raise CanaryError(f"{name}.__dlpack__() did not return an unused DLPack capsule", key=name)
     (data, device_type, device_id, ndim, code, bits, lanes, shape_at, strides_at,
      byte_offset) = _DL_TENSOR.unpack(ctypes.string_at(address, _DL_TENSOR.size))
     shape = _int64s(shape_at, ndim)

@@ -30,6 +30,7 @@ import numpy as np
 from .arrays import as_array
 from .atomic import replacing
 from .consts import LaunchTag, RealKvHashMode
+from .errors import ToolError
 
 DUMP_VERSION = 1
 VERSION_KEY = "kvcanary_dump_version"
@@ -45,7 +46,7 @@ _SAFETENSORS_NUMPY = {
 }
 
 
-class DumpError(ValueError):
+class DumpError(ToolError):
     """A dump that cannot be read or does not follow format v1. The message names the file
     and the key at fault."""
 
@@ -142,7 +143,7 @@ def _host_array(value, key: str) -> np.ndarray:
         try:  # zero-copy; KV of a type numpy lacks (bf16, fp8) is kept as its bytes
             array = as_array(value, key, untyped_as_bytes=True)
         except ValueError as exc:
-            raise DumpError(f"key {key}: {str(exc).removeprefix('kv-canary: ')}") from None
+            raise DumpError(f"key {key}: {getattr(exc, 'detail', exc)}", key=key) from None
         return array if isinstance(array, np.ndarray) else array.get()
     if hasattr(value, "__array__"):
         try:
@@ -637,7 +638,7 @@ class _Checker:
         self.path, self.values = path, values
 
     def fail(self, key: str, message: str):
-        raise DumpError(f"{self.path}: key {key}: {message}")
+        raise DumpError(f"{self.path}: key {key}: {message}", key=key)
 
     def get(self, key: str, *, required: bool):
         if key not in self.values:
@@ -918,13 +919,13 @@ def _load_real_kv(c: _Checker, dump: Dump) -> None:
         try:
             RealKvSource.check_layout(**layout)
         except ValueError as exc:
-            c.fail(f"real_kv_params[{index}]", str(exc).removeprefix("kv-canary: "))
+            c.fail(f"real_kv_params[{index}]", getattr(exc, "detail", str(exc)))
         try:  # (a Fortran-order file is read in C order: rows must be runs of bytes)
             source = RealKvSource(np.ascontiguousarray(tensor), **layout)
             if dump.real_kv_hash_mode != RealKvHashMode.NONE:
                 source.check_row_width()
         except ValueError as exc:
-            c.fail(key, str(exc).removeprefix("kv-canary: "))
+            c.fail(key, getattr(exc, "detail", str(exc)))
         sources.append(source.tensor)
     dump.real_kv = tuple(sources)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from .attribution import merge_key
 from .consts import FailReason, LaunchTag
 from .diagnosis import Diagnosis, Entry, diagnose, failed_checks
+from .errors import ToolError
 from .violations import Violation, reason_label
 
 MAX_LINE = 1 << 16
@@ -44,7 +45,7 @@ _LABEL_BITS = {reason_label(member): int(member) for member in FailReason}
 _UNKNOWN_TAG = re.compile(r"unknown\((-?\d+)\)")
 
 
-class ExplainError(ValueError):
+class ExplainError(ToolError):
     """An input cannot be read (missing, a directory, not text)."""
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import CanaryTypeError
+
 from .consts import (
     CANARY_CHAIN_ANCHOR,
     SPLITMIX64_MUL_1,
@@ -32,7 +34,7 @@ def as_u64(values) -> np.ndarray:
     """Integer array (any signedness) as uint64 bits; int64 -1 becomes 0xFFFF_FFFF_FFFF_FFFF."""
     array = np.asarray(values)
     if array.dtype.kind not in "iub":
-        raise TypeError(f"kv-canary: expected an integer array, got dtype {array.dtype}")
+        raise CanaryTypeError(f"expected an integer array, got dtype {array.dtype}")
     if array.dtype == np.uint64:
         return array
     if array.dtype.itemsize == 8:

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import Prefixed
+
+
+class KernelSourcesMissing(Prefixed, FileNotFoundError):
+    """The CUDA C sources are not where the package looks (a broken install)."""
+
 
 def kernel_dir() -> Path:
     package = Path(__file__).resolve().parent
     for candidate in (package / "kernels", package.parent / "kernels"):
         if (candidate / "kvc_consts.cuh").is_file():
             return candidate
-    raise FileNotFoundError(
-        "kv-canary: CUDA kernel sources not found (looked in "
+    raise KernelSourcesMissing(
+        "CUDA kernel sources not found (looked in "
         f"{package / 'kernels'} and {package.parent / 'kernels'}); reinstall kvcanary"
     )
 

@@ -21,6 +21,7 @@ from .consts import (
     VIOLATION_WRITE_INDEX_MAX,
     RealKvHashMode,
 )
+from .errors import ERROR_PREFIX, CanaryError
 
 _INT64 = (np.int64,)
 _INT32 = (np.int32,)
@@ -30,9 +31,9 @@ def check_source_bound(max_real_kv_sources) -> int:
     """The source-count bound a context (and its kernel variant) is built for: 1..64."""
     bound = int(max_real_kv_sources)
     if not 1 <= bound <= MAX_REAL_KV_SOURCES_LIMIT:
-        raise ValueError(
-            f"kv-canary: max_real_kv_sources must be in [1, {MAX_REAL_KV_SOURCES_LIMIT}], "
-            f"got {max_real_kv_sources}"
+        raise CanaryError(
+            f"max_real_kv_sources must be in [1, {MAX_REAL_KV_SOURCES_LIMIT}], "
+            f"got {max_real_kv_sources}", key="max_real_kv_sources"
         )
     return bound
 
@@ -42,18 +43,18 @@ def check_source_count(count: int, bound: int,
     """At most ``bound`` real-KV sources: the kernels take that many descriptors by value.
     ``raise_with`` says where the caller sets the bound."""
     if count > bound and count > MAX_REAL_KV_SOURCES_LIMIT:   # no bound would help
-        raise ValueError(
-            f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "
+        raise CanaryError(
+            f"at most {bound} RealKvSource entries supported by the CUDA ABI, "
             f"got {count}\n(no kernel variant takes more than {MAX_REAL_KV_SOURCES_LIMIT} "
-            "sources: fingerprint fewer of the KV pool's pieces)"
+            "sources: fingerprint fewer of the KV pool's pieces)", key="real_kv_sources"
         )
     if count > bound:
-        raise ValueError(
-            f"kv-canary: at most {bound} RealKvSource entries supported by the CUDA ABI, "
+        raise CanaryError(
+            f"at most {bound} RealKvSource entries supported by the CUDA ABI, "
             f"got {count}\n"
             f"(the bound applies to every backend, numpy included; pass {raise_with} with "
             f"N >= {count}, at most {MAX_REAL_KV_SOURCES_LIMIT}, to compile a kernel variant "
-            "with more sources; no rebuild is needed)"
+            "with more sources; no rebuild is needed)", key="real_kv_sources"
         )
 
 
@@ -88,12 +89,12 @@ class RealKvSource:
         # reads exactly the bytes that layout names (a larger read_bytes set later made the
         # kernels read past the tensor while the reference clamped).
         if self.__dict__.get("_frozen"):
-            raise AttributeError(f"kv-canary: RealKvSource is immutable (cannot set {name}); "
+            raise AttributeError(f"{ERROR_PREFIX}RealKvSource is immutable (cannot set {name}); "
                                  "build a new source for another layout")
         super().__setattr__(name, value)
 
     def __delattr__(self, name):
-        raise AttributeError(f"kv-canary: RealKvSource is immutable (cannot delete {name})")
+        raise AttributeError(f"{ERROR_PREFIX}RealKvSource is immutable (cannot delete {name})")
 
     def __reduce__(self):
         # Copying the byte view alone would give it memory of its own (numpy copies a view as
@@ -106,16 +107,18 @@ class RealKvSource:
     def check_layout(page_size: int, num_bytes_per_token: int, read_bytes: int) -> None:
         """The slot layout inside a row, in upstream's order of checks."""
         if page_size < 1:
-            raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {page_size}")
+            raise CanaryError(f"RealKvSource.page_size must be >= 1, got {page_size}",
+                              key="page_size")
         if num_bytes_per_token <= 0 or num_bytes_per_token % REAL_KV_ALIGN_BYTES:
-            raise ValueError(
-                "kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, "
-                f"got {num_bytes_per_token}"
+            raise CanaryError(
+                "RealKvSource.num_bytes_per_token must be a positive multiple of 16, "
+                f"got {num_bytes_per_token}", key="num_bytes_per_token"
             )
         if read_bytes <= 0 or read_bytes > num_bytes_per_token or read_bytes % REAL_KV_ALIGN_BYTES:
-            raise ValueError(
-                "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
-                f"(0, num_bytes_per_token={num_bytes_per_token}], got {read_bytes}"
+            raise CanaryError(
+                "RealKvSource.read_bytes must be a positive multiple of 16 in "
+                f"(0, num_bytes_per_token={num_bytes_per_token}], got {read_bytes}",
+                key="read_bytes"
             )
 
     @property
@@ -144,8 +147,8 @@ class RealKvSource:
         fewer slots than the canary buffer: a slot past its rows is reported, never read."""
         min_row_bytes = self.page_size * self.num_bytes_per_token
         if self.row_bytes < min_row_bytes:
-            raise ValueError(
-                "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is "
+            raise CanaryError(
+                "RealKvSource row is too narrow for its slot layout: dim-1 is "
                 f"{self.row_bytes} bytes but page_size={self.page_size} x "
                 f"num_bytes_per_token={self.num_bytes_per_token} needs {min_row_bytes}"
             )
@@ -162,20 +165,20 @@ def _byte_rows(tensor, name: str):
     dimension unit-stride, its row stride a multiple of 16 bytes (the kernels' loads)."""
     view = A.byte_view(tensor, name)
     if len(view.shape) < 2:
-        raise ValueError(f"kv-canary: {name} must be at least 2-D, got shape {view.shape}")
+        raise CanaryError(f"{name} must be at least 2-D, got shape {view.shape}", key=name)
     if len(view.shape) != 2:
-        raise ValueError(
-            f"kv-canary: {name} (viewed as uint8) must be 2-D, got {len(view.shape)}-D")
+        raise CanaryError(
+            f"{name} (viewed as uint8) must be 2-D, got {len(view.shape)}-D", key=name)
     if view.strides[0] % REAL_KV_ALIGN_BYTES:
-        raise ValueError(
-            f"kv-canary: {name} row stride must be a multiple of 16 bytes, got "
+        raise CanaryError(
+            f"{name} row stride must be a multiple of 16 bytes, got "
             f"{view.strides[0]} bytes (shape={view.shape}, strides={view.strides}, "
-            f"dtype={view.dtype})"
+            f"dtype={view.dtype})", key=name
         )
     if view.array is None:
-        raise ValueError(
-            f"kv-canary: {name} last dimension must be unit-stride, got "
-            f"strides={view.strides} for dtype={view.dtype}"
+        raise CanaryError(
+            f"{name} last dimension must be unit-stride, got "
+            f"strides={view.strides} for dtype={view.dtype}", key=name
         )
     return view.array
 
@@ -223,8 +226,9 @@ class VerifyPlan:
         8
         """
         if verify_capacity <= 0:
-            raise ValueError(
-                f"kv-canary: VerifyPlan verify_capacity must be positive, got {verify_capacity}"
+            raise CanaryError(
+                f"VerifyPlan verify_capacity must be positive, got {verify_capacity}",
+                key="verify_capacity"
             )
         return cls(
             verify_slot_indices=xp.zeros(verify_capacity, dtype=xp.int64),
@@ -305,9 +309,9 @@ class WritePlan:
     @classmethod
     def allocate(cls, write_req_capacity: int, xp=np) -> "WritePlan":
         if write_req_capacity <= 0:
-            raise ValueError(
-                "kv-canary: WritePlan write_req_capacity must be positive, "
-                f"got {write_req_capacity}"
+            raise CanaryError(
+                "WritePlan write_req_capacity must be positive, "
+                f"got {write_req_capacity}", key="write_req_capacity"
             )
         return cls(
             write_offsets=xp.zeros(write_req_capacity + 1, dtype=xp.int64),
@@ -337,9 +341,9 @@ class WritePlan:
         A.check_array(self.write_num_valid_reqs, "plan.write_num_valid_reqs", _INT32, 1, 1)
         capacity = self.write_req_capacity
         if self.write_offsets.shape[0] != capacity + 1:
-            raise ValueError(
-                "kv-canary: write_offsets_len must equal write_req_capacity + 1, got "
-                f"{self.write_offsets.shape[0]} and {capacity + 1}"
+            raise CanaryError(
+                "write_offsets_len must equal write_req_capacity + 1, got "
+                f"{self.write_offsets.shape[0]} and {capacity + 1}", key="write_offsets"
             )
         if not self._scratch_fits():  # the arrays were replaced after construction
             self._allocate_scratch()
@@ -367,8 +371,9 @@ class ViolationLog:
     @classmethod
     def allocate(cls, ring_capacity: int, xp=np) -> "ViolationLog":
         if ring_capacity <= 0:
-            raise ValueError(
-                f"kv-canary: ViolationLog ring_capacity must be positive, got {ring_capacity}"
+            raise CanaryError(
+                f"ViolationLog ring_capacity must be positive, got {ring_capacity}",
+                key="ring_capacity"
             )
         return cls(
             ring=xp.zeros((ring_capacity, VIOLATION_FIELDS), dtype=xp.int64),
@@ -380,9 +385,9 @@ class ViolationLog:
         A.check_dtype(self.ring, "violation_ring", np.int64)
         A.check_ndim(self.ring, "violation_ring", 2)
         if self.ring.shape[1] != VIOLATION_FIELDS or self.ring.shape[0] < 1:
-            raise ValueError(
-                f"kv-canary: violation_ring must have shape [N, {VIOLATION_FIELDS}] with N >= 1, "
-                f"got {tuple(self.ring.shape)}"
+            raise CanaryError(
+                f"violation_ring must have shape [N, {VIOLATION_FIELDS}] with N >= 1, "
+                f"got {tuple(self.ring.shape)}", key="violation_ring"
             )
         A.check_aligned(self.ring, "violation_ring")
         A.check_array(self.write_index, "violation_write_index", _INT32, 1, 1)
@@ -507,9 +512,9 @@ class CanaryContext:
         check_source_count(len(self.real_kv_sources), self.max_real_kv_sources)
         for index, source in enumerate(self.real_kv_sources):
             if not isinstance(source, RealKvSource):
-                raise TypeError(
-                    f"kv-canary: real_kv_sources[{index}] must be a RealKvSource, "
-                    f"got {type(source).__name__}"
+                raise CanaryTypeError(
+                    f"real_kv_sources[{index}] must be a RealKvSource, "
+                    f"got {type(source).__name__}", key=f"real_kv_sources[{index}]"
                 )
 
     def validate(self) -> None:
@@ -523,13 +528,14 @@ class CanaryContext:
         A.check_dtype(buf, "canary_buf", np.uint8)
         A.check_ndim(buf, "canary_buf", 2)
         if buf.shape[1] < CANARY_FIELDS_PER_SLOT * 8:
-            raise ValueError(
-                "kv-canary: canary_buf slot stride must hold at least 4 int64 fields, "
-                f"got {buf.shape[1] // 8}"
+            raise CanaryError(
+                "canary_buf slot stride must hold at least 4 int64 fields, "
+                f"got {buf.shape[1] // 8}", key="canary_buf"
             )
         if buf.shape[1] % 8:
-            raise ValueError(
-                f"kv-canary: canary_buf slot stride must be a multiple of 8 bytes, got {buf.shape[1]}"
+            raise CanaryError(
+                f"canary_buf slot stride must be a multiple of 8 bytes, got {buf.shape[1]}",
+                key="canary_buf"
             )
         A.check_aligned(buf, "canary_buf", 8)  # records are read as int64 fields
         self.violation_log.validate()
@@ -544,9 +550,9 @@ class CanaryContext:
         for index, source in enumerate(self.real_kv_sources):
             name = f"real_kv_sources[{index}].tensor"
             if A.library_of(source.tensor) != library:
-                raise ValueError(
-                    f"kv-canary: {name} is a {A.library_of(source.tensor)} array but canary_buf "
-                    f"is a {library} array; pass arrays of one library"
+                raise CanaryError(
+                    f"{name} is a {A.library_of(source.tensor)} array but canary_buf "
+                    f"is a {library} array; pass arrays of one library", key=name
                 )
             if self.hashing:  # NONE mode never dereferences a source
                 source.check_row_width()

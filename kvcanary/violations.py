@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .consts import TOKEN_FAIL_BITS, VIOLATION_FIELDS, WRITE_FAIL_BITS, FailReason, LaunchTag
+from .errors import CanaryError
 
 _MASK64 = (1 << 64) - 1
 
@@ -71,7 +72,7 @@ class Violation:
     def from_row(cls, row) -> "Violation":
         values = [int(v) for v in np.asarray(row, dtype=np.int64).reshape(-1)]
         if len(values) != VIOLATION_FIELDS:
-            raise ValueError(f"kv-canary: a violation row has {VIOLATION_FIELDS} fields, got {len(values)}")
+            raise CanaryError(f"a violation row has {VIOLATION_FIELDS} fields, got {len(values)}")
         return cls(*values)
 
     def to_row(self) -> np.ndarray:

@@ -26,14 +26,15 @@ PROGRESS_INTERVAL_S = 0.1
 
 
 def error_message(exc: BaseException) -> str:
-    """One line for the user: the library's messages already name the file and key."""
-    text = str(exc).strip() or type(exc).__name__
+    """One line for the user: the library's messages already name the file and key (a
+    kvcanary error's ``detail``, its message without the prefix)."""
+    text = str(getattr(exc, "detail", exc)).strip() or type(exc).__name__
     if isinstance(exc, OSError) and exc.filename:
         text = f"{exc.filename}: {exc.strerror or text}"
     # One line whatever the text holds: a newline (in a path, say) joins rather than cuts the
     # reason off, and other control characters are shown escaped, never sent raw.
     line = " ".join(part.strip() for part in text.splitlines() if part.strip())
-    return printable(line).removeprefix("kv-canary: ")
+    return printable(line)
 
 
 def printable(text: str) -> str:
@@ -49,7 +50,7 @@ def user_error(exc: BaseException) -> str | None:
     if isinstance(exc, ImportError):
         return f"a needed package is missing: {error_message(exc)}"
     if isinstance(exc, (ValueError, OSError, TypeError, MemoryError, RuntimeError)):
-        return error_message(exc)   # DumpError, AuditError and SynthError are ValueErrors
+        return error_message(exc)   # CanaryError (DumpError...) is a ValueError
     return None
 
 

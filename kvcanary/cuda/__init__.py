@@ -5,8 +5,10 @@ itself never imports cupy."""
 
 from __future__ import annotations
 
+from ..errors import CanaryRuntimeError
 
-class CudaUnavailable(RuntimeError):
+
+class CudaUnavailable(CanaryRuntimeError):
     """cupy is missing or sees no CUDA device; the message says which."""
 
 
@@ -25,7 +27,7 @@ def require_cupy():
     try:
         _CUPY = _device_cupy()
     except CudaUnavailable as exc:
-        _MISSING = str(exc)
+        _MISSING = exc.detail
         raise
     return _CUPY
 
@@ -35,15 +37,15 @@ def _device_cupy():
         import cupy
     except ImportError as exc:
         raise CudaUnavailable(
-            "kv-canary: the CUDA backend needs cupy: pip install 'kvcanary[cuda13]' "
+            "the CUDA backend needs cupy: pip install 'kvcanary[cuda13]' "
             "(or [cuda12] for CUDA 12 drivers)"
         ) from exc
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # cupy raises its own CUDARuntimeError without a driver
-        raise CudaUnavailable(f"kv-canary: cupy sees no CUDA device ({exc})") from exc
+        raise CudaUnavailable(f"cupy sees no CUDA device ({exc})") from exc
     if count < 1:
-        raise CudaUnavailable("kv-canary: cupy sees no CUDA device")
+        raise CudaUnavailable("cupy sees no CUDA device")
     return cupy
 
 
@@ -52,7 +54,7 @@ def unavailable_reason() -> str | None:
     try:
         require_cupy()
     except CudaUnavailable as exc:
-        return str(exc).removeprefix("kv-canary: ")
+        return exc.detail
     return None
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from .. import arrays as A
 from ..consts import RealKvHashMode
 from ..arrays import context_arrays
+from ..errors import CanaryError, CanaryRuntimeError
 from ..kernel_source import kernel_dir
 from ..types import check_source_bound as check_bound
 
@@ -47,7 +48,8 @@ def compile_defines(kernel: str, max_real_kv_sources: int | None,
     """The ``-D`` macros of one module variant. ``max_real_kv_sources=None`` leaves the
     bound undefined (only the compile check does that, to see the #error)."""
     if kernel not in KERNEL_FILES:
-        raise ValueError(f"kv-canary: kernel must be one of {', '.join(KERNEL_FILES)}, got {kernel!r}")
+        raise CanaryError(f"kernel must be one of {', '.join(KERNEL_FILES)}, got {kernel!r}",
+                          key="kernel")
     defines = []
     if max_real_kv_sources is not None:
         defines.append(("KVC_MAX_REAL_KV_SOURCES", str(int(max_real_kv_sources))))
@@ -165,9 +167,9 @@ def grid_stride_geometry(work_items: int, multiprocessor_count: int,
     """(blocks, threads) of a persistent grid-stride launch: enough blocks to fill every
     multiprocessor, never more than the work needs, at least one."""
     if multiprocessor_count < 1 or threads_per_block < 1 or blocks_per_sm < 1:
-        raise ValueError("kv-canary: launch geometry needs positive sizes, got "
-                         f"multiprocessor_count={multiprocessor_count}, "
-                         f"threads_per_block={threads_per_block}, blocks_per_sm={blocks_per_sm}")
+        raise CanaryError("launch geometry needs positive sizes, got "
+                          f"multiprocessor_count={multiprocessor_count}, "
+                          f"threads_per_block={threads_per_block}, blocks_per_sm={blocks_per_sm}")
     blocks = min(multiprocessor_count * blocks_per_sm, _ceil_div(max(0, work_items), threads_per_block))
     return max(1, blocks), threads_per_block
 
@@ -396,8 +398,8 @@ def module(kernel: str, max_real_kv_sources: int | None, check_expected_token: b
         for entry in KERNEL_FILES[kernel][1]:    # RawModule compiles lazily: compile now
             compiled.get_function(entry)
     except Exception as exc:  # cupy's CompileException, or a driver error
-        raise RuntimeError(f"kv-canary: kernel variant {name} did not compile "
-                           f"({' '.join(options)}): {exc}") from exc
+        raise CanaryRuntimeError(f"kernel variant {name} did not compile "
+                                 f"({' '.join(options)}): {exc}") from exc
     COMPILED.append(name)
     return compiled
 
@@ -432,9 +434,9 @@ def launch_device(arrays, named) -> int:
     where = [(name, array.data.device_id) for name, array in named().items() if array is not None]
     first_name, device = where[0]
     name, here = next((name, here) for name, here in where if here != device)
-    raise ValueError(
-        f"kv-canary: {name} is on GPU {here} but {first_name} is on GPU {device}; "
-        "every array of a launch must live on the canary buffer's device")
+    raise CanaryError(
+        f"{name} is on GPU {here} but {first_name} is on GPU {device}; "
+        "every array of a launch must live on the canary buffer's device", key=name)
 
 
 def _on_device(device_id: int, launch) -> None:

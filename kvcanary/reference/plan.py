@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..consts import EXPECTED_TOKEN_UNKNOWN, PLAN_SLOT_OUT_OF_TABLE, REQ_POOL_IDX_PADDING
+from ..errors import CanaryError
 from ..rules import window_start
 
 # Verify entries per step when an overflowed plan's entries are checked against the LUT.
@@ -102,9 +103,9 @@ def check_translatable(lut, *columns: np.ndarray) -> None:
     first = np.flatnonzero(beyond.ravel())
     if first.size:
         entry, column = divmod(int(first[0]), len(columns))
-        raise ValueError(
-            f"kv-canary: SWA slot {int(columns[column][entry])} is outside "
-            f"full_to_swa_index_mapping length {lut_len}"
+        raise CanaryError(
+            f"SWA slot {int(columns[column][entry])} is outside "
+            f"full_to_swa_index_mapping length {lut_len}", key="full_to_swa_index_mapping"
         )
 
 

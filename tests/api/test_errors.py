@@ -266,3 +266,58 @@ def test_plan_bs_exceeds_write_capacity():
 def test_unknown_backend():
     with raises("kv-canary: backend must be one of auto, numpy, cupy, got 'torch'"):
         kc.verify(make_context(), make_verify_plan([1], [0], [-1]), backend="torch")
+
+
+# ------------------------------------------------------------------ the error type
+
+def test_error_carries_detail_and_key():
+    with pytest.raises(kc.CanaryError) as caught:
+        kc.RealKvSource(np.zeros((4, 64), np.uint8), page_size=0, num_bytes_per_token=16,
+                        read_bytes=16)
+    err = caught.value
+    assert err.detail == "RealKvSource.page_size must be >= 1, got 0"
+    assert err.key == "page_size"
+    assert str(err) == "kv-canary: " + err.detail
+    assert isinstance(err, ValueError)
+
+
+def test_error_names_the_array():
+    with pytest.raises(kc.CanaryError) as caught:
+        kc.VerifyPlan.allocate(0)
+    assert caught.value.key == "verify_capacity"
+    from kvcanary.arrays import check_int64
+
+    with pytest.raises(TypeError) as wrong_kind:   # still a TypeError where it was one
+        check_int64("3", "block_size")
+    assert isinstance(wrong_kind.value, kc.CanaryError)
+    assert wrong_kind.value.key == "block_size"
+
+
+def test_error_survives_pickling():
+    import pickle
+
+    from kvcanary.dump import DumpError
+
+    for err in (kc.CanaryError("x must be positive", key="x"), DumpError("a.npz: key k: bad")):
+        back = pickle.loads(pickle.dumps(err))
+        assert (type(back), str(back), back.detail, back.key) == \
+               (type(err), str(err), err.detail, err.key)
+
+
+def test_tool_errors_have_no_prefix():
+    from kvcanary.dump import DumpError
+    from kvcanary.explain import ExplainError
+
+    for cls in (DumpError, ExplainError):
+        err = cls("run.npz: key seq_lens: missing")
+        assert isinstance(err, kc.CanaryError)
+        assert str(err) == err.detail == "run.npz: key seq_lens: missing"
+
+
+def test_cli_prints_the_detail():
+    from kvcanary.cli.common import user_error
+    from kvcanary.cuda import CudaUnavailable
+
+    assert user_error(kc.CanaryError("bs=9 exceeds write_req_capacity=8")) == \
+        "bs=9 exceeds write_req_capacity=8"
+    assert user_error(CudaUnavailable("cupy sees no CUDA device")) == "cupy sees no CUDA device"
