@@ -86,7 +86,7 @@ TARGETS = [
     Target("kvcanary/audit/launches.py", ("_plan_groups", "_slot_zero_rows"), AUDIT_TESTS),
     Target("kvcanary/audit/matching.py", ("_attribute", "_occurrence", "_match_rows"), AUDIT_TESTS),
     Target("kvcanary/diagnosis.py", ("failed_checks",), AUDIT_TESTS),
-    Target("kvcanary/dump.py", ("_load_swa", "_load_expected", "_load_sweep", "nonnegative"),
+    Target("kvcanary/dump/check.py", ("_load_swa", "_load_expected", "_load_sweep", "nonnegative"),
            DUMP_TESTS),
     Target("kvcanary/cli/audit.py", ("audit_command",), CLI_TESTS),
     Target("kvcanary/cli/common.py", ("fail", "error_boundary"), CLI_TESTS),
