@@ -19,14 +19,13 @@ from .errors import CanaryError
 from .rules import window_start
 from .types import CanaryContext, VerifyPlan, WritePlan, to_host
 
-_INT64 = (np.int64,)
 _TABLE_DTYPES = (np.int32, np.int64)
 # The dispatch seam (a name the kernel harness can swap for a test backend).
 _backend_module = backend_module
 
 
 def _check_token_array(x, name: str, length: int | None) -> None:
-    A.check_array(x, name, _INT64, 1, length)
+    A.check_array(x, name, A.INT64, 1, length)
 
 
 class VerifyPlanTooSmall(UserWarning):
@@ -135,14 +134,14 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
             req_to_verify_expected_tokens_valid_lens, "req_to_verify_expected_tokens_valid_lens"),
     }
     rows = inputs["req_pool_indices"]
-    A.check_array(rows, "req_pool_indices", _INT64, 1)
+    A.check_array(rows, "req_pool_indices", A.INT64, 1)
     bs = rows.shape[0]
-    A.check_array(inputs["prefix_lens"], "prefix_lens", _INT64, 1, bs)
-    A.check_array(inputs["extend_seq_lens"], "extend_seq_lens", _INT64, 1, bs)
+    A.check_array(inputs["prefix_lens"], "prefix_lens", A.INT64, 1, bs)
+    A.check_array(inputs["extend_seq_lens"], "extend_seq_lens", A.INT64, 1, bs)
     A.check_array(table, table_name, _TABLE_DTYPES, 2)
     lut = inputs["full_to_swa_index_mapping"]
     if lut is not None:
-        A.check_array(lut, "full_to_swa_index_mapping", _INT64, 1)
+        A.check_array(lut, "full_to_swa_index_mapping", A.INT64, 1)
     pool = inputs["req_to_verify_expected_tokens"]
     valid_lens = inputs["req_to_verify_expected_tokens_valid_lens"]
     if pool is not None:
@@ -153,9 +152,9 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
                 key="req_to_verify_expected_tokens_valid_lens"
             )
         A.check_array(pool, "req_to_verify_expected_tokens", _TABLE_DTYPES, 2)
-        A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", _INT64, 1, bs)
+        A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", A.INT64, 1, bs)
     elif valid_lens is not None:
-        A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", _INT64, 1, bs)
+        A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", A.INT64, 1, bs)
     verify_plan.validate()
     write_plan.validate()
     if bs > write_plan.write_req_capacity:
@@ -267,7 +266,7 @@ def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_
     if all(given):
         for name, array in expected.items():
             _check_token_array(array, name, length)
-    context.validate()
+    context.validate_arrays()
     A.check_writeable(context.canary_buf, "canary_buf")
     _check_tokens_cover_the_plan(plan, length)
     library = _same_library(context, plan, **tokens, **expected)
@@ -321,7 +320,7 @@ def verify(context: CanaryContext, plan: VerifyPlan, *, check_expected_token: bo
     context.validate_sources()
     A.check_contiguous(context.canary_buf, "canary_buf")
     plan.validate()
-    context.validate()
+    context.validate_arrays()
     library = _same_library(context, plan)
     _run(backend or library, library, "verify",
          dict(context=context, plan=plan, check_expected_token=bool(check_expected_token)))

@@ -130,6 +130,8 @@ def _unit_last_stride(shape, strides, unit) -> bool:
 
 
 _DTYPES: dict = {}  # the dtypes a check allows, as numpy dtypes, converted once
+# The dtype sets of check_array for the int64 and int32 arrays of a launch.
+INT64, INT32 = (np.int64,), (np.int32,)
 # The rule for integer inputs (docs/format.md, "Integer inputs"), as the dtype errors say it.
 CONVERTS_NO_ARRAY = ("kvcanary converts no array it is given: plan, write and verify run in "
                      "place on it, without a copy; a Python list is read as int64")
@@ -262,9 +264,10 @@ def common_library(*arrays) -> str | None:
     return libraries.pop() if len(libraries) == 1 else None
 
 
-def context_arrays(context) -> dict:
+def context_arrays(context, *, sources: bool = True) -> dict:
     """Every array of a :class:`~kvcanary.CanaryContext` by the name errors use, the canary
-    buffer first: the one list the checks, the device placement and the transfers share."""
+    buffer first, the real-KV source tensors last (``sources=False`` leaves them out): the
+    one list the checks, the device placement and the transfers share."""
     log = context.violation_log
     arrays = {
         "canary_buf": context.canary_buf,
@@ -274,6 +277,6 @@ def context_arrays(context) -> dict:
         "kernel_run_counter": context.kernel_run_counter,
         "enable_chain_position_assert": context.enable_chain_position_assert,
     }
-    for index, source in enumerate(context.real_kv_sources):
+    for index, source in enumerate(context.real_kv_sources if sources else ()):
         arrays[f"real_kv_sources[{index}].tensor"] = source.tensor
     return arrays

@@ -1,5 +1,6 @@
-"""The data types of the public API: real-KV sources, plans, the violation log and the
-launch context. Field names, dtypes and shapes are upstream's (docs/format.md §6).
+"""The data types of the public API: real-KV sources (:mod:`kvcanary.sources`), plans
+(:mod:`kvcanary.plans`), the violation log and the launch context, all importable from here.
+Field names, dtypes and shapes are upstream's (docs/format.md §6).
 
 Construction brings arrays in (DLPack for foreign arrays) and checks what upstream checks
 there (a real-KV source's layout); the other checks run at launch, where upstream runs them,
@@ -12,346 +13,17 @@ import numpy as np
 from . import arrays as A
 from .consts import (
     CANARY_FIELDS_PER_SLOT,
-    EXPECTED_TOKEN_UNKNOWN,
     MAX_REAL_KV_SOURCES,
-    MAX_REAL_KV_SOURCES_LIMIT,
-    REAL_KV_ALIGN_BYTES,
-    REAL_KV_PARTIAL_READ_BYTES,
     VIOLATION_FIELDS,
     VIOLATION_WRITE_INDEX_MAX,
     RealKvHashMode,
 )
-from .errors import ERROR_PREFIX, CanaryError
+from .errors import CanaryError
+from .plans import VerifyPlan, WritePlan
+from .sources import RealKvSource, check_source_bound, check_source_count
 
-_INT64 = (np.int64,)
-_INT32 = (np.int32,)
-
-
-def check_source_bound(max_real_kv_sources) -> int:
-    """The source-count bound a context (and its kernel variant) is built for: 1..64."""
-    bound = int(max_real_kv_sources)
-    if not 1 <= bound <= MAX_REAL_KV_SOURCES_LIMIT:
-        raise CanaryError(
-            f"max_real_kv_sources must be in [1, {MAX_REAL_KV_SOURCES_LIMIT}], "
-            f"got {max_real_kv_sources}", key="max_real_kv_sources"
-        )
-    return bound
-
-
-def check_source_count(count: int, bound: int,
-                       raise_with: str = "CanaryContext(max_real_kv_sources=N)") -> None:
-    """At most ``bound`` real-KV sources: the kernels take that many descriptors by value.
-    ``raise_with`` says where the caller sets the bound."""
-    if count > bound and count > MAX_REAL_KV_SOURCES_LIMIT:   # no bound would help
-        raise CanaryError(
-            f"at most {bound} RealKvSource entries supported by the CUDA ABI, "
-            f"got {count}\n(no kernel variant takes more than {MAX_REAL_KV_SOURCES_LIMIT} "
-            "sources: fingerprint fewer of the KV pool's pieces)", key="real_kv_sources"
-        )
-    if count > bound:
-        raise CanaryError(
-            f"at most {bound} RealKvSource entries supported by the CUDA ABI, "
-            f"got {count}\n"
-            f"(the bound applies to every backend, numpy included; pass {raise_with} with "
-            f"N >= {count}, at most {MAX_REAL_KV_SOURCES_LIMIT}, to compile a kernel variant "
-            "with more sources; no rebuild is needed)", key="real_kv_sources"
-        )
-
-
-class RealKvSource:
-    """One piece of the real KV pool to fingerprint.
-
-    ``tensor`` is any 2-D array of any element type (numpy, cupy, or anything that speaks
-    DLPack: torch, jax, ... in bf16, fp8, fp4, ...) whose last dimension is unit-stride. It is
-    kept as its bytes, ``uint8 [rows, row_bytes]``, sharing the producer's memory (no copy;
-    the producer's buffer stays alive while the source does); the row stride is the array's
-    own, so rows may be wider than the slots they pack. Slot ``s`` reads
-    ``(s // page_size) * row_stride + (s % page_size) * num_bytes_per_token`` onwards.
-
-    A source is immutable once built (setting a field raises ``AttributeError``): its layout
-    is checked against the tensor once, here.
-
-    A copy (``copy.deepcopy``, pickle) is a source over a copy of the producer's tensor, so an
-    object graph copied whole keeps the producer's tensor and its source one buffer.
-    """
-
-    def __init__(self, tensor, *, page_size: int, num_bytes_per_token: int, read_bytes: int):
-        self.check_layout(page_size, num_bytes_per_token, read_bytes)
-        self.tensor = _byte_rows(tensor, "RealKvSource.tensor")
-        self._producer_tensor = tensor
-        self.page_size = int(page_size)
-        self.num_bytes_per_token = int(num_bytes_per_token)
-        self.read_bytes = int(read_bytes)
-        self._frozen = True
-
-    def __setattr__(self, name, value):
-        # Immutable once built: the layout was checked against the tensor here, and a launch
-        # reads exactly the bytes that layout names (a larger read_bytes set later made the
-        # kernels read past the tensor while the reference clamped).
-        if self.__dict__.get("_frozen"):
-            raise AttributeError(f"{ERROR_PREFIX}RealKvSource is immutable (cannot set {name}); "
-                                 "build a new source for another layout")
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name):
-        raise AttributeError(f"{ERROR_PREFIX}RealKvSource is immutable (cannot delete {name})")
-
-    def __reduce__(self):
-        # Copying the byte view alone would give it memory of its own (numpy copies a view as
-        # a new array), so bytes written later through the producer's copy would not be the
-        # bytes hashed: rebuild the view over the producer's copy instead.
-        return (_source_over, (self._producer_tensor, self.page_size, self.num_bytes_per_token,
-                               self.read_bytes))
-
-    @staticmethod
-    def check_layout(page_size: int, num_bytes_per_token: int, read_bytes: int) -> None:
-        """The slot layout inside a row, in upstream's order of checks."""
-        if page_size < 1:
-            raise CanaryError(f"RealKvSource.page_size must be >= 1, got {page_size}",
-                              key="page_size")
-        if num_bytes_per_token <= 0 or num_bytes_per_token % REAL_KV_ALIGN_BYTES:
-            raise CanaryError(
-                "RealKvSource.num_bytes_per_token must be a positive multiple of 16, "
-                f"got {num_bytes_per_token}", key="num_bytes_per_token"
-            )
-        if read_bytes <= 0 or read_bytes > num_bytes_per_token or read_bytes % REAL_KV_ALIGN_BYTES:
-            raise CanaryError(
-                "RealKvSource.read_bytes must be a positive multiple of 16 in "
-                f"(0, num_bytes_per_token={num_bytes_per_token}], got {read_bytes}",
-                key="read_bytes"
-            )
-
-    @property
-    def row_stride_bytes(self) -> int:
-        return int(self.tensor.strides[0])
-
-    @property
-    def row_bytes(self) -> int:
-        """Readable bytes per row."""
-        return int(self.tensor.shape[1])
-
-    @property
-    def num_slots(self) -> int:
-        """How many slots this source holds bytes for."""
-        return int(self.tensor.shape[0]) * self.page_size
-
-    def effective_read_bytes(self, mode: RealKvHashMode) -> int:
-        if mode == RealKvHashMode.NONE:
-            return 0
-        if mode == RealKvHashMode.PARTIAL:
-            return REAL_KV_PARTIAL_READ_BYTES
-        return self.read_bytes
-
-    def check_row_width(self) -> None:
-        """Each row holds its ``page_size`` slots (checked when hashing). A source may hold
-        fewer slots than the canary buffer: a slot past its rows is reported, never read."""
-        min_row_bytes = self.page_size * self.num_bytes_per_token
-        if self.row_bytes < min_row_bytes:
-            raise CanaryError(
-                "RealKvSource row is too narrow for its slot layout: dim-1 is "
-                f"{self.row_bytes} bytes but page_size={self.page_size} x "
-                f"num_bytes_per_token={self.num_bytes_per_token} needs {min_row_bytes}"
-            )
-
-
-def _source_over(tensor, page_size: int, num_bytes_per_token: int,
-                 read_bytes: int) -> RealKvSource:
-    return RealKvSource(tensor, page_size=page_size, num_bytes_per_token=num_bytes_per_token,
-                        read_bytes=read_bytes)
-
-
-def _byte_rows(tensor, name: str):
-    """A source tensor as ``uint8 [rows, row_bytes]`` over the same memory: 2-D, its last
-    dimension unit-stride, its row stride a multiple of 16 bytes (the kernels' loads)."""
-    view = A.byte_view(tensor, name)
-    if len(view.shape) < 2:
-        raise CanaryError(f"{name} must be at least 2-D, got shape {view.shape}", key=name)
-    if len(view.shape) != 2:
-        raise CanaryError(
-            f"{name} (viewed as uint8) must be 2-D, got {len(view.shape)}-D", key=name)
-    if view.strides[0] % REAL_KV_ALIGN_BYTES:
-        raise CanaryError(
-            f"{name} row stride must be a multiple of 16 bytes, got "
-            f"{view.strides[0]} bytes (shape={view.shape}, strides={view.strides}, "
-            f"dtype={view.dtype})", key=name
-        )
-    if view.array is None:
-        raise CanaryError(
-            f"{name} last dimension must be unit-stride, got "
-            f"strides={view.strides} for dtype={view.dtype}", key=name
-        )
-    return view.array
-
-
-class VerifyPlan:
-    """Which prefix slots one verify launch checks, and against what (upstream's fields).
-
-    ``verify_slot_indices``, ``verify_expected_tokens`` (-1: unknown), ``verify_expected_positions``
-    and ``verify_prev_slot_indices`` (-1: chain head) are int64 ``[verify_capacity]``;
-    ``verify_num_valid`` and ``enable`` are int32 ``[1]``. :func:`kvcanary.plan` fills them in
-    place; :func:`kvcanary.verify` reads the first ``verify_num_valid`` entries. Allocate once
-    (numpy, or ``xp=cupy`` on the GPU) and reuse every step: ``VerifyPlan.allocate(4096)``.
-    """
-
-    FIELDS = (
-        "verify_slot_indices",
-        "verify_expected_tokens",
-        "verify_expected_positions",
-        "verify_prev_slot_indices",
-    )
-
-    def __init__(self, verify_slot_indices, verify_expected_tokens, verify_expected_positions,
-                 verify_prev_slot_indices, verify_num_valid, enable):
-        self.verify_slot_indices = A.as_array(verify_slot_indices, "plan.verify_slot_indices")
-        self.verify_expected_tokens = A.as_array(verify_expected_tokens,
-                                                 "plan.verify_expected_tokens")
-        self.verify_expected_positions = A.as_array(verify_expected_positions,
-                                                    "plan.verify_expected_positions")
-        self.verify_prev_slot_indices = A.as_array(verify_prev_slot_indices,
-                                                   "plan.verify_prev_slot_indices")
-        self.verify_num_valid = A.as_array(verify_num_valid, "plan.verify_num_valid")
-        self.enable = A.as_array(enable, "plan.enable")
-
-    @classmethod
-    def allocate(cls, verify_capacity: int, xp=np) -> "VerifyPlan":
-        """A plan of ``verify_capacity`` entries (``xp``: numpy or cupy).
-
-        Sizing rule: one entry per prefix token verified in a step, i.e. at least
-        ``sum(prefix_len - window_start)`` over the batch's live rows (``window_start`` is
-        ``max(0, prefix_len - swa_window_size)`` with a sliding window, else 0);
-        :func:`kvcanary.entries_needed` computes it. With less, ``plan`` disables the launch
-        (``enable = 0``, upstream's rule) and warns :class:`kvcanary.VerifyPlanTooSmall`.
-
-        >>> VerifyPlan.allocate(8).verify_capacity
-        8
-        """
-        if verify_capacity <= 0:
-            raise CanaryError(
-                f"VerifyPlan verify_capacity must be positive, got {verify_capacity}",
-                key="verify_capacity"
-            )
-        return cls(
-            verify_slot_indices=xp.zeros(verify_capacity, dtype=xp.int64),
-            verify_expected_tokens=xp.full(verify_capacity, EXPECTED_TOKEN_UNKNOWN, dtype=xp.int64),
-            verify_expected_positions=xp.zeros(verify_capacity, dtype=xp.int64),
-            verify_prev_slot_indices=xp.zeros(verify_capacity, dtype=xp.int64),
-            verify_num_valid=xp.zeros(1, dtype=xp.int32),
-            enable=xp.ones(1, dtype=xp.int32),
-        )
-
-    @property
-    def verify_capacity(self) -> int:
-        return int(self.verify_slot_indices.shape[0])
-
-    ARRAYS = FIELDS + ("verify_num_valid", "enable")
-
-    def arrays(self) -> dict:
-        return {f"plan.{n}": getattr(self, n) for n in self.ARRAYS}
-
-    def validate(self) -> None:
-        state = [A.array_state(getattr(self, n)) for n in self.ARRAYS]
-        if state == self.__dict__.get("_passed"):
-            return  # the same arrays as the last launch, unchanged: they pass again
-        capacity = self.verify_slot_indices.shape[0] if self.verify_slot_indices.ndim else 0
-        for name in self.FIELDS:
-            A.check_array(getattr(self, name), f"plan.{name}", _INT64, 1, capacity)
-        A.check_array(self.verify_num_valid, "plan.verify_num_valid", _INT32, 1, 1)
-        A.check_array(self.enable, "plan.enable", _INT32, 1, 1)
-        A.check_disjoint(self.arrays())
-        self._passed = state
-        self._library = A.common_library(*(getattr(self, n) for n in self.ARRAYS))
-
-    def library(self) -> str | None:
-        """The one library of the plan's arrays when it last passed :meth:`validate`, or
-        None when they mix libraries."""
-        return self._library
-
-
-class WritePlan:
-    """Which requests one write launch stamps: CSR offsets into the step's tokens and each
-    request's seed slot (upstream's fields).
-
-    ``write_offsets`` int64 ``[write_req_capacity + 1]`` (request ``r`` writes tokens
-    ``offsets[r]:offsets[r + 1]``), ``write_seed_slot_indices`` int64 ``[write_req_capacity]``
-    (the slot of the token before each request's first new one, -1: none) and
-    ``write_num_valid_reqs`` int32 ``[1]``. :func:`kvcanary.plan` fills them in place; the plan
-    also owns the kernels' scratch, so no launch allocates (CUDA-graph safe). Allocate once:
-    ``WritePlan.allocate(256)`` (``xp=cupy`` on the GPU).
-    """
-
-    # Kernel working memory, allocated with the plan so that no launch allocates (a launch
-    # captured in a CUDA graph must not free memory the pool hands out again): the plan
-    # kernels' per-row verify offsets, and each request's seed link and position, read by
-    # the write before anything of the launch is stored. Not part of the plan's contents.
-    SCRATCH = ("plan_offsets_scratch", "seed_links_scratch", "seed_positions_scratch")
-
-    def __init__(self, write_offsets, write_seed_slot_indices, write_num_valid_reqs):
-        self.write_offsets = A.as_array(write_offsets, "plan.write_offsets")
-        self.write_seed_slot_indices = A.as_array(write_seed_slot_indices,
-                                                  "plan.write_seed_slot_indices")
-        self.write_num_valid_reqs = A.as_array(write_num_valid_reqs, "plan.write_num_valid_reqs")
-        self._allocate_scratch()
-
-    def _allocate_scratch(self) -> None:
-        seeds = self.write_seed_slot_indices
-        if seeds is None or seeds.ndim != 1:
-            return  # validate() names the problem
-        capacity = int(seeds.shape[0])
-        for name, length in zip(self.SCRATCH, (capacity + 1, capacity, capacity)):
-            setattr(self, name, _zeros_like(seeds, length))
-
-    def _scratch_fits(self) -> bool:
-        seeds = self.write_seed_slot_indices
-        scratch = getattr(self, self.SCRATCH[-1], None)
-        return (scratch is not None and scratch.shape[0] == seeds.shape[0]
-                and type(scratch) is type(seeds) and _device_of(scratch) == _device_of(seeds))
-
-    @classmethod
-    def allocate(cls, write_req_capacity: int, xp=np) -> "WritePlan":
-        if write_req_capacity <= 0:
-            raise CanaryError(
-                "WritePlan write_req_capacity must be positive, "
-                f"got {write_req_capacity}", key="write_req_capacity"
-            )
-        return cls(
-            write_offsets=xp.zeros(write_req_capacity + 1, dtype=xp.int64),
-            write_seed_slot_indices=xp.full(write_req_capacity, -1, dtype=xp.int64),
-            write_num_valid_reqs=xp.zeros(1, dtype=xp.int32),
-        )
-
-    @property
-    def write_req_capacity(self) -> int:
-        return int(self.write_seed_slot_indices.shape[0])
-
-    ARRAYS = ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs")
-
-    def arrays(self) -> dict:
-        return {
-            "plan.write_offsets": self.write_offsets,
-            "plan.write_seed_slot_indices": self.write_seed_slot_indices,
-            "plan.write_num_valid_reqs": self.write_num_valid_reqs,
-        }
-
-    def validate(self) -> None:
-        state = [A.array_state(getattr(self, n, None)) for n in self.ARRAYS + self.SCRATCH]
-        if state == self.__dict__.get("_passed"):
-            return  # the same arrays as the last launch, unchanged: they pass again
-        A.check_array(self.write_seed_slot_indices, "plan.write_seed_slot_indices", _INT64, 1)
-        A.check_array(self.write_offsets, "plan.write_offsets", _INT64, 1)
-        A.check_array(self.write_num_valid_reqs, "plan.write_num_valid_reqs", _INT32, 1, 1)
-        capacity = self.write_req_capacity
-        if self.write_offsets.shape[0] != capacity + 1:
-            raise CanaryError(
-                "write_offsets_len must equal write_req_capacity + 1, got "
-                f"{self.write_offsets.shape[0]} and {capacity + 1}", key="write_offsets"
-            )
-        if not self._scratch_fits():  # the arrays were replaced after construction
-            self._allocate_scratch()
-        A.check_disjoint(self.arrays())
-        self._passed = [A.array_state(getattr(self, n)) for n in self.ARRAYS + self.SCRATCH]
-        self._library = A.common_library(*(getattr(self, n) for n in self.ARRAYS))
-
-    library = VerifyPlan.library
+__all__ = ["CanaryContext", "RealKvSource", "VerifyPlan", "ViolationLog", "WritePlan",
+           "check_source_bound", "check_source_count", "to_host"]
 
 
 class ViolationLog:
@@ -390,7 +62,7 @@ class ViolationLog:
                 f"got {tuple(self.ring.shape)}", key="violation_ring"
             )
         A.check_aligned(self.ring, "violation_ring")
-        A.check_array(self.write_index, "violation_write_index", _INT32, 1, 1)
+        A.check_array(self.write_index, "violation_write_index", A.INT32, 1, 1)
         A.check_writeable(self.ring, "violation_ring")
         A.check_writeable(self.write_index, "violation_write_index")
 
@@ -508,7 +180,8 @@ class CanaryContext:
         return self.real_kv_hash_mode != RealKvHashMode.NONE and len(self.real_kv_sources) > 0
 
     def validate_sources(self) -> None:
-        """The source-count bound: checked first, on every backend, before any launch."""
+        """The source-count bound and the sources' type: a launch checks them first, on every
+        backend, before its other arguments (then :meth:`validate_arrays`)."""
         check_source_count(len(self.real_kv_sources), self.max_real_kv_sources)
         for index, source in enumerate(self.real_kv_sources):
             if not isinstance(source, RealKvSource):
@@ -518,8 +191,15 @@ class CanaryContext:
                 )
 
     def validate(self) -> None:
-        """Every launch-time check of the context, in upstream's order."""
+        """Every launch-time check of the context, in upstream's order: the sources, then
+        the arrays. A launch runs the two halves apart (its plan is checked between them),
+        each once."""
         self.validate_sources()
+        self.validate_arrays()
+
+    def validate_arrays(self) -> None:
+        """The launch-time checks of the context's arrays (the sources passed
+        :meth:`validate_sources`): dtypes, shapes, strides, one library, no shared memory."""
         state = self._launch_state()
         if state == self.__dict__.get("_passed"):
             return  # the same arrays and sources as the last launch, unchanged: they pass again
@@ -539,12 +219,12 @@ class CanaryContext:
             )
         A.check_aligned(buf, "canary_buf", 8)  # records are read as int64 fields
         self.violation_log.validate()
-        A.check_array(self.slot_run_counter, "slot_run_counter", _INT64, 1, 1)
-        A.check_array(self.kernel_run_counter, "kernel_run_counter", _INT64, 1, 1)
+        A.check_array(self.slot_run_counter, "slot_run_counter", A.INT64, 1, 1)
+        A.check_array(self.kernel_run_counter, "kernel_run_counter", A.INT64, 1, 1)
         for name in ("slot_run_counter", "kernel_run_counter"):
             A.check_writeable(getattr(self, name), name)
         A.check_array(
-            self.enable_chain_position_assert, "enable_chain_position_assert", _INT32, 1, 1
+            self.enable_chain_position_assert, "enable_chain_position_assert", A.INT32, 1, 1
         )
         library = A.library_of(buf)
         for index, source in enumerate(self.real_kv_sources):
@@ -556,16 +236,9 @@ class CanaryContext:
                 )
             if self.hashing:  # NONE mode never dereferences a source
                 source.check_row_width()
-        log = self.violation_log
-        A.check_disjoint({"canary_buf": buf, "violation_ring": log.ring,
-                          "violation_write_index": log.write_index,
-                          "slot_run_counter": self.slot_run_counter,
-                          "kernel_run_counter": self.kernel_run_counter,
-                          "enable_chain_position_assert": self.enable_chain_position_assert})
+        A.check_disjoint(A.context_arrays(self, sources=False))   # sources are only read
         self._passed = state
-        self._library = A.common_library(
-            buf, log.ring, log.write_index, self.slot_run_counter, self.kernel_run_counter,
-            self.enable_chain_position_assert, *(source.tensor for source in self.real_kv_sources))
+        self._library = A.common_library(*A.context_arrays(self).values())
 
     def library(self) -> str | None:
         """The one library of the context's arrays (source tensors included) when it last
@@ -573,7 +246,7 @@ class CanaryContext:
         return self._library
 
     def _launch_state(self) -> tuple:
-        """Everything :meth:`validate` reads beyond the source bound (which it always checks)."""
+        """Everything :meth:`validate_arrays` reads (a launch checks the source bound apart)."""
         log = self.violation_log
         return (
             A.array_state(self.canary_buf), type(log), A.array_state(getattr(log, "ring", None)),
@@ -584,20 +257,6 @@ class CanaryContext:
                    source.read_bytes, A.array_state(source.tensor))
                   for source in self.real_kv_sources),
         )
-
-
-def _zeros_like(array, length: int):
-    """int64 zeros of the array's library, on the array's device."""
-    if A.is_cupy_array(array):
-        import cupy
-
-        with array.device:
-            return cupy.zeros(length, dtype=cupy.int64)
-    return np.zeros(length, dtype=np.int64)
-
-
-def _device_of(array):
-    return array.data.device_id if A.is_cupy_array(array) else None
 
 
 def _namespace(array):

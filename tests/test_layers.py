@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvcanary"
 
 # Lowest first. A module may import its own layer and the ones below it.
 LAYERS = [
-    ("core", ["consts", "errors", "types", "hashing", "rules", "arrays", "dlpack", "violations",
-              "kernel_source", "interrupt", "atomic"]),
+    ("core", ["consts", "errors", "sources", "plans", "types", "hashing", "rules", "arrays",
+              "dlpack", "violations", "kernel_source", "interrupt", "atomic"]),
     ("backends", ["reference", "cuda", "backends"]),
     ("api", ["api", "transfer"]),
     ("findings", ["evidence", "diagnosis", "attribution"]),

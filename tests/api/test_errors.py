@@ -128,6 +128,34 @@ def test_four_sources_pass_at_default_bound():
     _launch_both(make_context(sources=make_sources(4, 32), mode=kc.RealKvHashMode.PARTIAL))
 
 
+@pytest.mark.parametrize("launch", ["verify", "write"])
+def test_a_launch_checks_the_source_count_once(launch, monkeypatch):
+    from kvcanary import types as T
+
+    calls = []
+    monkeypatch.setattr(T, "check_source_count", lambda *a, **k: calls.append(a))
+    ctx = make_context(sources=make_sources(2, 32), mode=kc.RealKvHashMode.ALL)
+    vp, wp = _plans()
+    if launch == "verify":
+        kc.verify(ctx, vp)
+    else:
+        kc.write(ctx, wp, input_ids=i64([1]), positions=i64([0]), out_cache_loc=i64([1]))
+    assert calls == [(2, kc.MAX_REAL_KV_SOURCES)]
+
+
+def test_context_arrays_are_listed_once():
+    """The disjointness check and the library come from the one list of a context's arrays."""
+    from kvcanary.arrays import context_arrays
+
+    ctx = make_context(sources=make_sources(1, 32))
+    names = list(context_arrays(ctx))
+    assert names[0] == "canary_buf" and names[-1] == "real_kv_sources[0].tensor"
+    assert list(context_arrays(ctx, sources=False)) == names[:-1]
+    ctx.slot_run_counter = ctx.kernel_run_counter     # two counters, one array
+    with raises("kv-canary: kernel_run_counter and slot_run_counter share memory"):
+        kc.verify(ctx, _plans()[0])
+
+
 # ------------------------------------------------------------------ launch context
 
 def test_source_must_be_2d():
