@@ -32,7 +32,8 @@ class Prefixed:
 class CanaryError(Prefixed, ValueError):
     """Bad input: an argument, array, plan or file kvcanary refuses. A ``ValueError``, so
     ``pytest.raises(ValueError, match="kv-canary: ...")`` and ``except ValueError`` catch it.
-    The tools' errors (:class:`ToolError`: ``DumpError``, ``ExplainError``) are CanaryErrors
+    The tools' errors (:class:`ToolError`: ``DumpError``, ``AuditError``, ``SynthError``,
+    ``CampaignError``, ``ExplainError``) are CanaryErrors
     whose message already starts with the file or option, so they carry no prefix."""
 
 

@@ -78,7 +78,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     try:
         chosen = resolve_backend(backend)
     except ValueError as exc:
-        raise AuditError(str(exc).removeprefix("kv-canary: ")) from None
+        raise AuditError(getattr(exc, "detail", str(exc))) from None
     live = _live_requests(d)
     live_entries = live.entries
     total_entries = live_entries + d.num_sweep_entries
@@ -96,7 +96,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         check_source_count(len(d.real_kv), bound,
                            raise_with="kvcanary audit --max-real-kv-sources N")
     except ValueError as exc:   # one line: the CLI shows a single line per error
-        text = " ".join(str(exc).removeprefix("kv-canary: ").splitlines())
+        text = " ".join(getattr(exc, "detail", str(exc)).splitlines())
         raise AuditError(f"{d.path}: key real_kv_params: {text}") from None
 
     launcher = _Launcher(d, chosen, max_real_kv_sources)

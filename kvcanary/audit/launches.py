@@ -228,7 +228,7 @@ def _plan_errors(d: Dump):
     try:
         yield
     except ValueError as exc:
-        text = str(exc).removeprefix("kv-canary: ")
+        text = getattr(exc, "detail", str(exc))
         where = "key full_to_swa_index_mapping: " if "full_to_swa" in text else ""
         raise AuditError(f"{d.path}: {where}{text}") from None
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..diagnosis import Diagnosis
+from ..errors import ToolError
 from ..evidence import Entry
 from ..violations import Violation
 
@@ -17,7 +18,7 @@ CHUNK_ENTRIES = 1 << 16
 DEFAULT_MAX_FINDINGS = 1024
 
 
-class AuditError(ValueError):
+class AuditError(ToolError):
     """The audit cannot run or would prove nothing (e.g. zero entries to check)."""
 
 

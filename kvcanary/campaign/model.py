@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..errors import ToolError
 from ..synth import MODES
 from .layouts import LAYOUTS, RULES, designed
 
@@ -15,7 +16,7 @@ MAX_REPORTED = 25   # misses and false positives kept in full
 CLEAN_RUN_ATTEMPTS = 20
 
 
-class CampaignError(ValueError):
+class CampaignError(ToolError):
     """A bad campaign option (the message names it) or an unusable backend."""
 
 

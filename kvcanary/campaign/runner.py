@@ -177,7 +177,7 @@ def resolve_backends(name: str):
     try:
         chosen = resolve_backend(name)
     except ValueError as exc:   # the option's name leads, as in the other option errors
-        raise CampaignError("--" + str(exc).removeprefix("kv-canary: ")) from None
+        raise CampaignError("--" + getattr(exc, "detail", str(exc))) from None
     if name == "auto":
         return (["numpy", "cupy"], {}) if chosen == "cupy" else (["numpy"], {"cupy": cupy_unavailable()})
     other = "cupy" if chosen == "numpy" else "numpy"

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..consts import RealKvHashMode
+from ..errors import ToolError
 
 MODES = ("none", "partial", "all")
 # Seeds are recorded in int64 dump keys (synth_config) and feed numpy's SeedSequence.
@@ -17,7 +18,7 @@ SOURCE_DTYPES = (np.uint8, np.float16, np.int32, np.float32)
 MAX_SEED = (1 << 63) - 1
 
 
-class SynthError(ValueError):
+class SynthError(ToolError):
     """A bad synthesis option, or an honest run that produced a violation (a bug)."""
 
 
