@@ -69,7 +69,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
          full_to_swa_index_mapping=None, req_to_verify_expected_tokens=None,
          req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset: int = 0,
          block_table=None, block_size=None, backend: str | None = None,
-         strict: bool = False, check_capacity: bool = True) -> PlanReport | None:
+         strict: bool = False, check_capacity: bool | None = None) -> PlanReport | None:
     """Fill ``verify_plan`` and ``write_plan`` in place for one forward step.
 
     Inputs, one entry per batch row (``bs`` rows), all int64 ``[bs]``: ``req_pool_indices``
@@ -92,9 +92,13 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
     More entries than ``verify_plan.verify_capacity`` disable the verify (``enable = 0``)
     instead of overflowing, and that is never silent: :class:`VerifyPlanTooSmall` is warned
     once per plan object, or with ``strict=True`` a ``ValueError`` is raised after the plan is
-    filled. Returns a :class:`PlanReport` (entries needed against the capacity); the check
-    copies ``prefix_lens`` and ``req_pool_indices`` to the host, so ``check_capacity=False``
-    skips it (inside a CUDA graph capture) and returns None. ``bs`` above ``write_plan.write_req_capacity`` is an error. A
+    filled. Returns a :class:`PlanReport` (entries needed against the capacity). The check
+    reads ``prefix_lens`` and ``req_pool_indices`` on the host: with host (numpy) arrays it
+    always runs; with device arrays it would be a copy and a synchronisation per step, which
+    a CUDA graph cannot capture, so it runs only with ``check_capacity=True`` or
+    ``strict=True`` (size the plan once with :func:`entries_needed`, or run a first step with
+    the check on). ``check_capacity=False`` skips it everywhere; a skipped check returns
+    None. ``bs`` above ``write_plan.write_req_capacity`` is an error. A
     call that raises leaves both plans as they were.
 
     Arrays of one library run there (numpy: the reference; cupy: the CUDA kernels on the
@@ -170,6 +174,8 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
                   kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
     kwargs["block_size"] = block_size
     _run(backend or library, library, "plan", kwargs)
+    if check_capacity is None:
+        check_capacity = library == "numpy" or strict
     if not check_capacity:
         return None
     report = PlanReport(entries_needed(rows, inputs["prefix_lens"], swa_window_size),

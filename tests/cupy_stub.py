@@ -253,8 +253,11 @@ REPEAT_CHANGES = {  # case: (launch, change to a World)
         w.write_plan, "write_offsets", w.device(w.bs))),
     "counter replaced": ("verify", lambda w: setattr(
         w.context, "kernel_run_counter", w.device(2))),
+    # (a source is immutable: another layout is a new source, here one too narrow for it)
     "source layout changed": ("write", lambda w: setattr(
-        w.context.real_kv_sources[0], "page_size", 2)),
+        w.context, "real_kv_sources", (RealKvSource(
+            w.context.real_kv_sources[0].tensor, page_size=2, num_bytes_per_token=32,
+            read_bytes=32), *w.context.real_kv_sources[1:]))),
     "ring of another library": ("verify", lambda w: setattr(
         w.context.violation_log, "ring", np.zeros((8, 8), np.int64))),
     "plan array of another library": ("write", lambda w: setattr(
