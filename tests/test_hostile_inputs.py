@@ -642,9 +642,9 @@ def test_a_paged_request_running_just_past_its_block_table_names_block_minus_one
 def test_max_findings_holds_when_rows_cannot_be_attributed(tmp_path, monkeypatch):
     """Rows no plan entry reproduces (a faulty backend's extra rows) still count against
     --max-findings, and the summary says how many were left out."""
-    import kvcanary.audit as audit_module
+    import kvcanary.audit.engine as audit_module
 
-    real_verify = audit_module._verify
+    real_verify = audit_module.verify_rows
 
     def with_strangers(launcher, launch):
         rows = real_verify(launcher, launch)
@@ -652,7 +652,7 @@ def test_max_findings_holds_when_rows_cannot_be_attributed(tmp_path, monkeypatch
         strangers[:, 2] += 1000                              # positions no entry expects
         return np.concatenate([rows, strangers])
 
-    monkeypatch.setattr(audit_module, "_verify", with_strangers)
+    monkeypatch.setattr(audit_module, "verify_rows", with_strangers)
     path = distinct_slot_dump(tmp_path / "d.npz", 50)
     result = audit(path, backend="numpy", max_findings=30)
     assert result.total_violations == 100 and result.unattributed == 50

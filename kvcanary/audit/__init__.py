@@ -23,114 +23,17 @@ dump whose every record is corrupt audits about as fast as a clean one; rows bey
 ``ring_capacity`` count as dropped by upstream's fill-once ring. Checking zero entries is an
 error.
 
-The steps, one module each: ``launches`` builds the entries (``_live_launches``,
-``_sweep_launches``) and runs one launch (``_verify``), ``matching`` names the entry of each
-row (``_attribute``), ``tally`` summarises (``_Tally``), ``diagnose`` explains (``_diagnose``);
-``result`` holds what the audit returns. :func:`audit` here runs the one loop over both kinds
-of launches.
+The steps, one module each: ``launches`` builds the entries (``live_launches``,
+``sweep_launches``) and runs one launch (``verify_rows``), ``matching`` names the entry of each
+row (``attribute_rows``), ``tally`` summarises (``Tally``), ``diagnose`` explains (``diagnose_findings``);
+``result`` holds what the audit returns. :func:`audit` (``engine``) runs the one loop over
+both kinds of launches.
 """
 
-from __future__ import annotations
-
-import itertools
-import os
-import time
-from collections import Counter
-
-import numpy as np
-
-from ..backends.resolve import resolve_backend
-from ..format.consts import MAX_REAL_KV_SOURCES
 from ..findings.diagnosis import Diagnosis, likely_cause
-from ..dump import load
-from ..model.types import check_source_bound, check_source_count
-from .diagnose import _diagnose
-from .launches import (_Launcher, _live_launches, _live_requests, _slot_zero_rows, _sweep_launches,
-                       _verify)
-from .matching import _attribute
+from .engine import audit
 from .result import (CHUNK_ENTRIES, DEFAULT_MAX_FINDINGS, AuditError, AuditResult,
                      CheckedLaunch, Finding, RequestSummary)
-from .tally import _Tally
 
 __all__ = ["CHUNK_ENTRIES", "DEFAULT_MAX_FINDINGS", "AuditError", "AuditResult", "CheckedLaunch",
            "Diagnosis", "Finding", "RequestSummary", "audit", "likely_cause"]
-
-
-def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
-          ring_capacity: int | None = None, max_findings: int = DEFAULT_MAX_FINDINGS,
-          compat: bool = False, chunk_entries: int = CHUNK_ENTRIES, progress=None,
-          observe=None) -> AuditResult:
-    """Audit a :class:`~kvcanary.dump.Dump` (or a path to one); see the module docstring.
-
-    ``max_findings`` bounds the rows kept as findings (0 keeps every row); the totals and
-    counts always cover every row. ``progress(done_entries, total_entries)`` is called after
-    every launch when given; ``observe(CheckedLaunch)`` too, with every row of the launch.
-
-    Example (every row, however many findings are kept)::
-
-        launches = []
-        result = audit("dump.npz", backend="numpy", observe=launches.append)
-        assert sum(l.rows.shape[0] for l in launches) == result.total_violations"""
-    started = time.perf_counter()
-    if isinstance(dump, (str, os.PathLike)):
-        dump = load(dump)
-    d = dump
-    try:
-        chosen = resolve_backend(backend)
-    except ValueError as exc:
-        raise AuditError(getattr(exc, "detail", str(exc))) from None
-    live = _live_requests(d)
-    live_entries = live.entries
-    total_entries = live_entries + d.num_sweep_entries
-    if total_entries == 0:
-        raise AuditError(f"{d.path}: nothing to check: no live request has a written prefix "
-                         "(req_pool_indices / seq_lens) and there are no sweep entries; "
-                         "an audit of zero entries proves nothing")
-    ring_capacity = total_entries if ring_capacity is None else int(ring_capacity)
-    if ring_capacity < 1:
-        raise AuditError(f"ring capacity must be at least 1, got {ring_capacity}")
-    if max_findings < 0:
-        raise AuditError(f"max_findings must be 0 (keep every finding) or more, got {max_findings}")
-    bound = check_source_bound(max_real_kv_sources)
-    try:
-        check_source_count(len(d.real_kv), bound,
-                           raise_with="kvcanary audit --max-real-kv-sources N")
-    except ValueError as exc:   # one line: the CLI shows a single line per error
-        text = " ".join(getattr(exc, "detail", str(exc)).splitlines())
-        raise AuditError(f"{d.path}: key real_kv_params: {text}") from None
-
-    launcher = _Launcher(d, chosen, max_real_kv_sources)
-    check_token = d.expected_tokens is not None
-    result = AuditResult(
-        path=d.path, backend=chosen, launch_tag=d.launch_tag.name, num_slots=d.num_slots,
-        live_requests=int(np.count_nonzero(np.asarray(d.req_pool_indices))),
-        live_entries=live_entries, sweep_entries=d.num_sweep_entries,
-        real_kv_sources=len(d.real_kv), real_kv_hash_mode=d.real_kv_hash_mode.name.lower(),
-        swa_window_size=d.swa_window_size, check_expected_token=check_token, compat=compat,
-        ring_capacity=ring_capacity, max_findings=int(max_findings))
-    keep = min(ring_capacity, max_findings or ring_capacity)
-    tally = _Tally(d, keep)
-    chunk = max(1, int(chunk_entries))
-    done = 0
-    launches = itertools.chain(_live_launches(d, launcher, live, chunk),
-                               _sweep_launches(d, launcher, chunk))
-    for launch in launches:
-        rows = _verify(launcher, launch)
-        entry_of = _attribute(rows, launch, launcher)
-        if launch.live and not compat:
-            zero_rows, zero_entries = _slot_zero_rows(launch.entries, launch.tag, check_token)
-            rows = np.concatenate([rows, zero_rows])
-            entry_of = np.concatenate([entry_of, zero_entries])
-        tally.add(rows, entry_of, launch)
-        if observe:
-            observe(CheckedLaunch(launch.entries.slots, launch.entries.positions,
-                                  launch.batch_index, rows, entry_of))
-        done += launch.size
-        if progress:
-            progress(done, total_entries)
-    tally.findings, result.zero_records = _diagnose(tally, d, launcher, live, chunk)
-    tally.fill(result)
-    result.counts_by_cause = dict(sorted(Counter(
-        f.diagnosis.cause for f in tally.findings).items()))
-    result.elapsed_s = time.perf_counter() - started
-    return result

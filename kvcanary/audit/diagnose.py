@@ -12,9 +12,9 @@ from ..findings.diagnosis import diagnose
 from ..dump import Dump
 from ..findings.evidence import Evidence, record_links
 from ..format.rules import canary_fields
-from .launches import _Launcher, _live_launches, _LiveRequests, _sweep_launches
+from .launches import Launcher, live_launches, LiveRequests, sweep_launches
 from .result import CHUNK_ENTRIES
-from .tally import _block_of, _Tally
+from .tally import block_of, Tally
 
 
 class _DumpTables:
@@ -47,7 +47,7 @@ class _DumpTables:
         return int(pool[row, position])
 
 
-def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
+def diagnose_findings(tally: Tally, d: Dump, launcher: Launcher, live: LiveRequests,
               chunk: int) -> tuple:
     """Every kept finding with its :func:`~kvcanary.findings.diagnosis.diagnose`; returns
     ``(findings, zero records among the live entries)``.
@@ -71,8 +71,8 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
     marked = np.zeros(d.num_slots, dtype=bool)
     marked[interest[(interest >= 0) & (interest < d.num_slots)]] = True
     parts, zero_entries, checked = [], 0, 0
-    launches = itertools.chain(_live_launches(d, launcher, live, chunk),
-                               _sweep_launches(d, launcher, chunk))
+    launches = itertools.chain(live_launches(d, launcher, live, chunk),
+                               sweep_launches(d, launcher, chunk))
     for launch, failing in zip(launches, tally.failing_entries):
         e = launch.entries
         inside = (e.slots > 0) & (e.slots < d.num_slots)
@@ -107,7 +107,7 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
     for f in findings:
         entry = f.entry()
         if f.kind == "request" and f.block_index >= 0 and f.position > 0:
-            prev = _block_of(d, f.request_row, f.position - 1)
+            prev = block_of(d, f.request_row, f.position - 1)
             entry = dataclasses.replace(entry, prev_block_index=prev["block_index"],
                                         prev_block=prev["block"])
         diagnosis = diagnose(f.violation, entry, evidence, num_slots=d.num_slots, swa=swa,

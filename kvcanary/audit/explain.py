@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from ..findings.attribution import merge_key
 from ..format.consts import FailReason, LaunchTag
-from ..findings.diagnosis import Diagnosis, Entry, diagnose, failed_checks
+from ..findings.diagnosis import Diagnosis, diagnose, failed_checks
+from ..findings.evidence import Entry
 from ..format.errors import ToolError
 from ..format.violations import Violation, reason_label
 

@@ -24,7 +24,7 @@ def sweep_tag(tag: LaunchTag) -> LaunchTag:
     return LaunchTag[f"SWEEP_{half}_{group}"]
 
 
-class _Launcher:
+class Launcher:
     """Contexts on the chosen backend plus a host context used to attribute rows."""
 
     def __init__(self, dump: Dump, backend: str, max_real_kv_sources: int):
@@ -98,7 +98,7 @@ class _Entries:
 
 
 @dataclass
-class _Launch:
+class Launch:
     """One verify launch: its plan on the backend and a host copy of its entries, plus what
     names an entry: the batch index of every entry (live requests) or the sweep index of the
     first one."""
@@ -128,7 +128,7 @@ _SCAN_ROWS = 1 << 20
 
 
 @dataclass
-class _LiveRequests:
+class LiveRequests:
     """The batch indices that verify at least one entry, and how many each verifies
     (``[window_start, seq_len)``); padding rows and empty prefixes are left out."""
 
@@ -140,7 +140,7 @@ class _LiveRequests:
         return int(self.lengths.sum())
 
 
-def _live_requests(d: Dump) -> _LiveRequests:
+def live_requests(d: Dump) -> LiveRequests:
     """The live requests, scanned ``_SCAN_ROWS`` batch rows at a time (memory stays within
     the size of the tables read, whatever the batch size)."""
     indices, lengths = [], []
@@ -151,7 +151,7 @@ def _live_requests(d: Dump) -> _LiveRequests:
                               & (length > 0))
         indices.append(live + begin)
         lengths.append(length[live].astype(np.int64))
-    return _LiveRequests(np.concatenate(indices or [np.zeros(0, np.int64)]),
+    return LiveRequests(np.concatenate(indices or [np.zeros(0, np.int64)]),
                          np.concatenate(lengths or [np.zeros(0, np.int64)]))
 
 
@@ -169,7 +169,7 @@ def _plan_groups(lengths: np.ndarray, limit: int):
         begin = end
 
 
-def _live_launches(d: Dump, launcher: _Launcher, live: _LiveRequests, chunk: int):
+def live_launches(d: Dump, launcher: Launcher, live: LiveRequests, chunk: int):
     """The live requests' prefixes, planned by ``kvcanary.plan`` in groups of requests;
     a request longer than ``chunk`` in pieces of ``chunk`` entries."""
     device, xp = launcher.device, launcher.xp
@@ -198,10 +198,10 @@ def _live_launches(d: Dump, launcher: _Launcher, live: _LiveRequests, chunk: int
             verify_plan.verify_slot_indices, verify_plan.verify_prev_slot_indices,
             verify_plan.verify_expected_positions, verify_plan.verify_expected_tokens)))
         batch_index = np.repeat(batch, live.lengths[begin:end])
-        yield _Launch(int(d.launch_tag), verify_plan, entries, check_token, batch_index)
+        yield Launch(int(d.launch_tag), verify_plan, entries, check_token, batch_index)
 
 
-def _piece_launches(d: Dump, launcher: _Launcher, b: int, total: int, chunk: int):
+def _piece_launches(d: Dump, launcher: Launcher, b: int, total: int, chunk: int):
     """One long request in pieces of ``chunk`` consecutive positions, each planned on the
     host by the reference's per-entry rule (``kvcanary.plan`` plans whole prefixes only),
     so no launch holds more than ``chunk`` entries however long the request claims to be."""
@@ -217,7 +217,7 @@ def _piece_launches(d: Dump, launcher: _Launcher, b: int, total: int, chunk: int
                 d.req_pool_indices[b:b + 1], np.array([start], np.int64),
                 np.array([size], np.int64), size, d.expected_tokens, valid_lens, 0)
         entries = _Entries(slots, prevs, positions, tokens)
-        yield _Launch(int(d.launch_tag), entries.plan(launcher.device), entries, check_token,
+        yield Launch(int(d.launch_tag), entries.plan(launcher.device), entries, check_token,
                       np.full(size, b, dtype=np.int64))
 
 
@@ -233,7 +233,7 @@ def _plan_errors(d: Dump):
         raise AuditError(f"{d.path}: {where}{text}") from None
 
 
-def _sweep_launches(d: Dump, launcher: _Launcher, chunk: int):
+def sweep_launches(d: Dump, launcher: Launcher, chunk: int):
     """The dump's sweep entries as they are, with the SWEEP tag and no token check."""
     tag = int(sweep_tag(d.launch_tag)) if d.num_sweep_entries else 0
     for begin in range(0, d.num_sweep_entries, chunk):
@@ -241,20 +241,20 @@ def _sweep_launches(d: Dump, launcher: _Launcher, chunk: int):
         entries = _Entries(*(np.ascontiguousarray(a[begin:end], dtype=np.int64) for a in (
             d.sweep_slot_indices, d.sweep_prev_slot_indices, d.sweep_positions)),
             np.full(end - begin, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64))
-        yield _Launch(tag, entries.plan(launcher.device), entries, False, sweep_begin=begin)
+        yield Launch(tag, entries.plan(launcher.device), entries, False, sweep_begin=begin)
 
 
 # ------------------------------------------------------------ step 2: verify
 
 
-def _verify(launcher: _Launcher, launch: _Launch) -> np.ndarray:
+def verify_rows(launcher: Launcher, launch: Launch) -> np.ndarray:
     """The launch's ring rows on the chosen backend (a ring with room for every entry)."""
     context = launcher.context(launch.tag, launch.size)
     api.verify(context, launch.plan, check_expected_token=launch.check_token)
     return context.violation_log.rows()
 
 
-def _slot_zero_rows(entries: _Entries, tag: int, check_token: bool):
+def slot_zero_rows(entries: _Entries, tag: int, check_token: bool):
     """kvcanary's extension: a row for every live prefix entry mapped to padding slot 0."""
     zero = np.flatnonzero(entries.slots == 0)
     tokens = entries.tokens[zero] if check_token else EXPECTED_TOKEN_UNKNOWN

@@ -9,10 +9,10 @@ import numpy as np
 from ..format.consts import EXPECTED_TOKEN_UNKNOWN, FailReason
 from ..backends.reference.verify import entry_rows
 from ..format.rules import violation_rows
-from .launches import _Launch, _Launcher
+from .launches import Launch, Launcher
 
 
-def _attribute(rows: np.ndarray, launch: _Launch, launcher: _Launcher) -> np.ndarray:
+def attribute_rows(rows: np.ndarray, launch: Launch, launcher: Launcher) -> np.ndarray:
     """Entry index of each ring row (-1 where no entry reproduces it).
 
     A row on a slot that exactly one entry of the launch uses belongs to that entry (its
@@ -46,7 +46,7 @@ def _attribute(rows: np.ndarray, launch: _Launch, launcher: _Launcher) -> np.nda
     return result
 
 
-def _match_outside(rows: np.ndarray, launch: _Launch) -> np.ndarray:
+def _match_outside(rows: np.ndarray, launch: Launch) -> np.ndarray:
     """Rows on slots outside the buffer: such an entry's row is fixed by the entry alone."""
     e = launch.entries
     candidates = np.flatnonzero(np.isin(e.slots, np.unique(rows[:, 1])))
@@ -56,7 +56,7 @@ def _match_outside(rows: np.ndarray, launch: _Launch) -> np.ndarray:
     return _match_rows(rows, predicted, candidates)
 
 
-def _match_shared(rows: np.ndarray, launch: _Launch, launcher: _Launcher) -> np.ndarray:
+def _match_shared(rows: np.ndarray, launch: Launch, launcher: Launcher) -> np.ndarray:
     """Rows on slots several entries use: the candidates' rows are predicted on the host
     reference in one pass (an entry's row depends on the entry alone, so each predicted row
     names its entry) and matched by content."""

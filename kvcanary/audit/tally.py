@@ -10,7 +10,7 @@ import numpy as np
 from ..findings.diagnosis import failed_checks
 from ..dump import Dump
 from ..format.violations import Violation, reason_labels, tag_name
-from .launches import _Launch
+from .launches import Launch
 from .result import AuditResult, Finding, RequestSummary
 
 
@@ -23,7 +23,7 @@ def _value_counts(values: np.ndarray) -> tuple:
     return np.unique(values, return_counts=True)
 
 
-class _Tally:
+class Tally:
     """Exact totals over every row, and the findings of the first ``keep`` rows."""
 
     def __init__(self, d: Dump, keep: int):
@@ -37,7 +37,7 @@ class _Tally:
         self.slot_bits = np.zeros(0, dtype=np.int64)
         self.failing_entries: list = []
 
-    def add(self, rows: np.ndarray, entry_of: np.ndarray, launch: _Launch) -> None:
+    def add(self, rows: np.ndarray, entry_of: np.ndarray, launch: Launch) -> None:
         if rows.shape[0] == 0:
             self.failing_entries.append(None)
             return
@@ -78,7 +78,7 @@ class _Tally:
             entry = int(entry_of[index])
             self.findings.append(self._finding(Violation(*rows[index].tolist()), entry, launch))
 
-    def _add_requests(self, failing: np.ndarray, launch: _Launch) -> None:
+    def _add_requests(self, failing: np.ndarray, launch: Launch) -> None:
         """Per affected request: count and first/last position (entries of a request are
         consecutive and in position order)."""
         if failing.size == 0:
@@ -100,7 +100,7 @@ class _Tally:
                                   first_position=earlier.first_position)
             self.requests.append(summary)
 
-    def _finding(self, v: Violation, entry: int, launch: _Launch) -> Finding:
+    def _finding(self, v: Violation, entry: int, launch: Launch) -> Finding:
         d, e = self.dump, launch.entries
         if entry < 0:
             return _finding(v, "unattributed")
@@ -111,7 +111,7 @@ class _Tally:
         b = int(launch.batch_index[entry])
         row = int(d.req_pool_indices[b])
         return _finding(v, "request", batch_index=b, request_row=row, **where,
-                        **_block_of(d, row, where["position"]))
+                        **block_of(d, row, where["position"]))
 
     def fill(self, result: AuditResult) -> None:
         result.total_violations = self.total
@@ -126,7 +126,7 @@ class _Tally:
         result.unattributed = self.unattributed
 
 
-def _block_of(d: Dump, row: int, position: int) -> dict:
+def block_of(d: Dump, row: int, position: int) -> dict:
     """Where a paged dump's position goes through its block table (nothing for per-token)."""
     if d.block_table is None:
         return {}
@@ -136,5 +136,5 @@ def _block_of(d: Dump, row: int, position: int) -> dict:
 
 
 def _finding(v: Violation, kind: str, **where) -> Finding:
-    """A finding without its diagnosis yet (:func:`_diagnose` adds it after the loop)."""
+    """A finding without its diagnosis yet (:func:`diagnose_findings` adds it after the loop)."""
     return Finding(violation=v, kind=kind, checks=failed_checks(v.fail_reason_bits), **where)

@@ -21,7 +21,3 @@ def kernel_dir() -> Path:
         "CUDA kernel sources not found (looked in "
         f"{package / 'kernels'} and {package.parent / 'kernels'}); reinstall kvcanary"
     )
-
-
-def read_source(name: str) -> str:
-    return (kernel_dir() / name).read_text(encoding="utf-8")

@@ -31,10 +31,9 @@ import numpy as np
 
 from ..format.consts import EXPECTED_TOKEN_UNKNOWN, FailReason
 from ..format.errors import CanaryError
-from .diagnosis import CHAIN_HEAD_INT64, Diagnosis, Entry, Evidence, diagnose, failed_checks, \
-    record_links
-from ..format.rules import window_start
-from ..backends.reference.ring import canary_fields
+from .diagnosis import Diagnosis, diagnose, failed_checks
+from .evidence import CHAIN_HEAD_INT64, Entry, Evidence, record_links
+from ..format.rules import canary_fields, window_start
 from ..backends.reference.verify import active_entries
 from ..model.types import to_host
 from ..format.violations import Violation

@@ -36,8 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..format.consts import EXPECTED_TOKEN_UNKNOWN, PLAN_SLOT_OUT_OF_TABLE, FailReason
-# The evidence tables live in their own module; their names stay importable from here.
-from .evidence import CHAIN_HEAD_INT64, Entry, Evidence, or_by_slot, record_links  # noqa: F401
+from .evidence import CHAIN_HEAD_INT64, Entry, Evidence
 from ..format.violations import Violation
 
 CHECK_WORDS = {
@@ -301,7 +300,7 @@ def _owners(v: Violation, entry: Entry, ev: Evidence, tables=None) -> tuple:
     if parents.size and other.size:   # the record continues a record of the owner
         owned = np.isin(ev.batch_index[other], ev.batch_index[parents])
         other = other[owned] if owned.any() else other
-    return ev._refs(other), ev._refs(parents, stored=True), ev._refs(parents[own], stored=True)
+    return ev.refs(other), ev.refs(parents, stored=True), ev.refs(parents[own], stored=True)
 
 
 def _own_head(v: Violation, entry: Entry, ev) -> bool | None:

@@ -128,7 +128,7 @@ class Evidence:
     def zero_share(self) -> float:
         return self.zero_entries / self.checked_entries if self.checked_entries else 0.0
 
-    def _refs(self, index: np.ndarray, stored: bool = False) -> tuple:
+    def refs(self, index: np.ndarray, stored: bool = False) -> tuple:
         """Entry dicts; ``stored`` adds the stored position of the record each reads."""
         return tuple({"request_row": int(self.request_rows[i]),
                       "batch_index": int(self.batch_index[i]),

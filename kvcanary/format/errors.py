@@ -9,6 +9,9 @@ argument, key or file at fault; the message prefix is written here once.
 from __future__ import annotations
 
 ERROR_PREFIX = "kv-canary: "
+# An engine guard's errors reach the engine's user, not a canary call: they carry the tool's
+# name, as the command line's errors do.
+GUARD_PREFIX = "kvcanary: "
 
 
 class Prefixed:
@@ -51,3 +54,19 @@ class ToolError(CanaryError):
     file or option it names, so it carries no prefix (``str(err) == err.detail``)."""
 
     prefix = ""
+
+
+class GuardError(CanaryRuntimeError):
+    """An engine guard that cannot run (unsupported version or engine setup, bad argument),
+    or, with ``on_violation="raise"``, the first finding (``.finding``) that stopped the
+    generation. A ``RuntimeError``; ``str()`` starts with ``kvcanary: ``.
+
+    >>> str(GuardError("this guard is already active"))
+    'kvcanary: this guard is already active'
+    """
+
+    prefix = GUARD_PREFIX
+
+    def __init__(self, detail: str, finding=None, *, key: str | None = None):
+        super().__init__(detail, key=key)
+        self.finding = finding

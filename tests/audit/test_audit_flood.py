@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import kvcanary as kc
-import kvcanary.audit as audit_module
+import kvcanary.audit.engine as audit_module
 from kvcanary.audit import DEFAULT_MAX_FINDINGS, AuditError, audit
 from kvcanary.cli import main
 from kvcanary.dump import load, save
@@ -102,13 +102,13 @@ def test_first_and_last_affected_position_per_request(tmp_path):
 def test_attribution_does_not_depend_on_the_order_rows_arrive_in(flooded, monkeypatch):
     """The kernels fill the ring in any order: the findings must not change."""
     reference = audit(flooded, backend="numpy", max_findings=0, chunk_entries=512)
-    verify = audit_module._verify
+    verify = audit_module.verify_rows
 
     def shuffled(launcher, launch):
         rows = verify(launcher, launch)
         return rows[np.random.default_rng(launch.size).permutation(rows.shape[0])]
 
-    monkeypatch.setattr(audit_module, "_verify", shuffled)
+    monkeypatch.setattr(audit_module, "verify_rows", shuffled)
     result = audit(flooded, backend="numpy", max_findings=0, chunk_entries=512)
     key = lambda f: (f.request_row, f.position)   # noqa: E731
     assert sorted(map(key, result.findings)) == sorted(map(key, reference.findings))
@@ -147,13 +147,13 @@ def test_several_dumps_end_with_one_total_line(flooded, tmp_path):
 def test_a_duplicated_row_is_counted_but_not_attributed_twice(flooded, monkeypatch):
     """A faulty backend that reports one entry twice: the total counts both rows, the
     request counts one, the copy is unattributed."""
-    verify = audit_module._verify
+    verify = audit_module.verify_rows
 
     def doubled(launcher, launch):
         rows = verify(launcher, launch)
         return np.concatenate([rows, rows[:1]])
 
-    monkeypatch.setattr(audit_module, "_verify", doubled)
+    monkeypatch.setattr(audit_module, "verify_rows", doubled)
     result = audit(flooded, backend="numpy", max_findings=0, ring_capacity=1 << 20)
     launches = -(-REQUESTS * TOKENS // audit_module.CHUNK_ENTRIES)
     assert result.total_violations == REQUESTS * TOKENS + launches

@@ -446,7 +446,7 @@ def test_guard_runs_the_cuda_kernels_on_engine_tensors():
     model = make_model().to("cuda")
     guard, outputs = run(model, sources="kv-all")
     assert guard.summary()["findings"] == 0 and len(outputs) == 40
-    assert guard._session.xp.__name__ == "cupy"
+    assert guard.session.xp.__name__ == "cupy"
     assert np.asarray(guard.summary()["entries_verified"]) > 0
 
 
@@ -497,6 +497,6 @@ def test_kv_offloaded_to_the_cpu_comes_back_with_its_records(model, monkeypatch)
     s = guard.summary()
     assert s["blocks_restored"] > 0 and s["findings"] == 0, guard.findings()[:2]
     # Without the records coming back, the restored blocks would not verify.
-    monkeypatch.setattr(kvt._Session, "restore_records", lambda self, state: None)
+    monkeypatch.setattr(kvt.Session, "restore_records", lambda self, state: None)
     guard, _ = run(model, cb=cb, new_tokens=16)
     assert guard.summary()["findings"] > 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from ...format.consts import VIOLATION_WRITE_INDEX_MAX
-from ...format.rules import canary_fields  # noqa: F401  (the reference's kernels read records here)
 
 
 def commit_rows(log, rows: np.ndarray) -> None:

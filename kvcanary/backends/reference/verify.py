@@ -18,9 +18,9 @@ import numpy as np
 
 from ...format.consts import EXPECTED_TOKEN_UNKNOWN, FailReason, TOKEN_TO_KV_SLOT_PADDING
 from ...format.hashing import CHAIN_HEAD, link_inplace
-from ...format.rules import violation_rows
+from ...format.rules import canary_fields, violation_rows
 from .realkv import outside_sources, real_kv_hash
-from .ring import canary_fields, commit_rows
+from .ring import commit_rows
 
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
 _TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)

@@ -27,9 +27,9 @@ import numpy as np
 
 from ...format.consts import TOKEN_TO_KV_SLOT_PADDING, FailReason
 from ...format.hashing import CHAIN_HEAD, mix3_inplace
-from ...format.rules import violation_rows
+from ...format.rules import canary_fields, violation_rows
 from .realkv import outside_sources, real_kv_hash
-from .ring import canary_fields, commit_rows
+from .ring import commit_rows
 
 _OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
 _TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)

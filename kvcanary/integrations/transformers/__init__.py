@@ -42,8 +42,9 @@ from ...format.consts import RealKvHashMode
 from ...dump import save as save_dump
 from ...format.violations import Violation
 from ..findings import Finding, Sighting
-from .hooks import SUPPORTED_RANGE, SUPPORTED_VERSIONS, GuardError, _Hooks, supported_version
-from .session import _Session
+from ...format.errors import GuardError
+from .hooks import SUPPORTED_RANGE, SUPPORTED_VERSIONS, Hooks, supported_version
+from .session import Session
 
 logger = logging.getLogger("kvcanary")
 
@@ -75,19 +76,19 @@ def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
 
     if not supported_version(transformers.__version__):
         raise GuardError(
-            f"kvcanary: transformers {transformers.__version__} is not supported by "
+            f"transformers {transformers.__version__} is not supported by "
             f"kvcanary.integrations.transformers (supported: transformers{SUPPORTED_RANGE})")
     if hash_mode not in HASH_MODES:
-        raise GuardError(f"kvcanary: hash_mode must be one of {', '.join(HASH_MODES)}, "
+        raise GuardError(f"hash_mode must be one of {', '.join(HASH_MODES)}, "
                          f"got {hash_mode!r}")
     if plan_from not in PLAN_FROM:
-        raise GuardError(f"kvcanary: plan_from must be one of {', '.join(PLAN_FROM)}, "
+        raise GuardError(f"plan_from must be one of {', '.join(PLAN_FROM)}, "
                          f"got {plan_from!r}")
     if not callable(on_violation) and on_violation not in ON_VIOLATION:
-        raise GuardError("kvcanary: on_violation must be 'log', 'raise' or a callable, got "
+        raise GuardError("on_violation must be 'log', 'raise' or a callable, got "
                          f"{on_violation!r}")
     if not hasattr(model, "generate_batch") or not hasattr(model, "config"):
-        raise GuardError(f"kvcanary: guard() needs a transformers model with generate_batch, "
+        raise GuardError(f"guard() needs a transformers model with generate_batch, "
                          f"got {type(model).__name__}")
     layers = int(model.config.get_text_config().num_hidden_layers)
     return Guard(model, _source_list(sources, layers), HASH_MODES[hash_mode],
@@ -100,7 +101,7 @@ def _source_list(sources, layers: int) -> tuple:
             return (("k", 0),)
         if sources == "kv-all":
             return tuple((kind, layer) for layer in range(layers) for kind in ("k", "v"))
-        raise GuardError(f"kvcanary: sources must be 'k0', 'kv-all' or a list of "
+        raise GuardError(f"sources must be 'k0', 'kv-all' or a list of "
                          f"('k' | 'v', layer), got {sources!r}")
     out = []
     for index, item in enumerate(sources or ()):
@@ -108,10 +109,10 @@ def _source_list(sources, layers: int) -> tuple:
             kind, layer = item
             layer = int(layer)
         except (TypeError, ValueError):
-            raise GuardError(f"kvcanary: sources[{index}] must be ('k' | 'v', layer), "
+            raise GuardError(f"sources[{index}] must be ('k' | 'v', layer), "
                              f"got {item!r}") from None
         if kind not in ("k", "v") or not 0 <= layer < layers:
-            raise GuardError(f"kvcanary: sources[{index}] = {item!r}: kind must be 'k' or 'v' "
+            raise GuardError(f"sources[{index}] = {item!r}: kind must be 'k' or 'v' "
                              f"and layer in [0, {layers})")
         out.append((kind, layer))
     return tuple(out)
@@ -138,8 +139,8 @@ class Guard:
         self.stats = dict(steps=0, entries_verified=0, tokens_written=0, ring_rows=0,
                           rows_dropped=0, blocks_copied=0, blocks_restored=0, sessions=0,
                           read_index_mismatches=0, write_index_mismatches=0)
-        self._session = None
-        self._error = None
+        self.session = None
+        self.error = None
         self._inside = False
         self.step_times = []     # (guard seconds, engine step seconds) per guarded step
 
@@ -147,8 +148,8 @@ class Guard:
 
     def __enter__(self) -> "Guard":
         if self._inside:
-            raise GuardError("kvcanary: this guard is already active")
-        _Hooks.add(self)
+            raise GuardError("this guard is already active")
+        Hooks.add(self)
         self._inside = True
         model = self.model
         self._own_generate = model.__dict__.get("generate_batch")
@@ -156,10 +157,10 @@ class Guard:
         original = model.generate_batch
 
         def generate_batch(*args, **kwargs):
-            self._error = None
+            self.error = None
             outputs = original(*args, **kwargs)
-            if self._error is not None:
-                raise self._error
+            if self.error is not None:
+                raise self.error
             return outputs
 
         self._had_own_generate = had_own
@@ -172,7 +173,7 @@ class Guard:
             model.generate_batch = self._own_generate
         else:
             model.__dict__.pop("generate_batch", None)
-        _Hooks.remove(self)
+        Hooks.remove(self)
         self._inside = False
         return False
 
@@ -202,28 +203,28 @@ class Guard:
         the suffix, as ``kvcanary.dump.save`` does): canary buffer, block table, live requests
         and their lengths, the real-KV sources and, with ``check_tokens``, the expected tokens.
         ``kvcanary audit`` of a clean run's dump is clean."""
-        if self._session is None or self._session.last is None:
-            raise GuardError("kvcanary: guard.dump needs at least one guarded step")
-        return save_dump(path, **self._session.dump_arrays())
+        if self.session is None or self.session.last is None:
+            raise GuardError("guard.dump needs at least one guarded step")
+        return save_dump(path, **self.session.dump_arrays())
 
     # -- internals
 
-    def _time_step(self, guard_s: float, engine_s: float) -> None:
+    def time_step(self, guard_s: float, engine_s: float) -> None:
         self.step_times.append((guard_s, engine_s))
 
-    def _session_for(self, processor) -> "_Session":
-        if self._session is None or self._session.cache is not processor.cache:
-            self._session = _Session(self, processor.cache)
+    def session_for(self, processor) -> "Session":
+        if self.session is None or self.session.cache is not processor.cache:
+            self.session = Session(self, processor.cache)
             self.stats["sessions"] += 1
-        return self._session
+        return self.session
 
-    def _report(self, finding) -> None:
+    def report(self, finding) -> None:
         if self.on_violation == "log":
             logger.warning("%s request=%s position=%d: %s", finding.log_line, finding.request_id,
                            finding.position, finding.explanation)
         elif self.on_violation == "raise":
-            if self._error is None:
-                self._error = GuardError(f"kvcanary: KV-cache violation, generation stopped: "
+            if self.error is None:
+                self.error = GuardError(f"KV-cache violation, generation stopped: "
                                          f"{finding.describe()}", finding)
         else:
             self.on_violation(finding)

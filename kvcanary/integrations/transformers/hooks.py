@@ -19,21 +19,14 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from ...format.errors import GuardError
+
 if TYPE_CHECKING:    # the guard module imports this one
     from . import Guard
 
 # Versions whose continuous batching has the hook points and layout used here.
 SUPPORTED_VERSIONS = ((5, 20), (5, 24))   # first and last supported minor, inclusive
 SUPPORTED_RANGE = ">=5.20,<5.25"
-
-
-class GuardError(RuntimeError):
-    """A guard that cannot run (unsupported version or engine setup, bad argument), or, with
-    ``on_violation="raise"``, the first finding (``.finding``) that stopped the generation."""
-
-    def __init__(self, message: str, finding=None):
-        super().__init__(message)
-        self.finding = finding
 
 
 def supported_version(version: str) -> bool:
@@ -46,7 +39,7 @@ def supported_version(version: str) -> bool:
     return SUPPORTED_VERSIONS[0] <= major_minor <= SUPPORTED_VERSIONS[1]
 
 
-class _Hooks:
+class Hooks:
     """The class attributes kvcanary replaces while at least one guard is active, restored
     exactly (an attribute a class did not define itself is deleted again)."""
 
@@ -71,13 +64,13 @@ class _Hooks:
     def add(cls, g: "Guard") -> None:
         with cls.lock:
             if id(g.model) in cls.active:
-                raise GuardError("kvcanary: this model is already guarded (one guard per model "
+                raise GuardError("this model is already guarded (one guard per model "
                                  "at a time)")
             if not cls.active:
                 targets = cls.targets()
                 for owner, name, _ in targets:
                     if not callable(getattr(owner, name, None)):
-                        raise GuardError(f"kvcanary: transformers lacks {owner.__name__}.{name}; "
+                        raise GuardError(f"transformers lacks {owner.__name__}.{name}; "
                                          f"supported: transformers{SUPPORTED_RANGE}")
                 for owner, name, hook in targets:
                     original = getattr(owner, name)
@@ -102,7 +95,7 @@ class _Hooks:
     @classmethod
     def session_of(cls, match):
         for g in list(cls.active.values()):
-            s = g._session
+            s = g.session
             if s is not None and match(s):
                 return s
         return None
@@ -110,11 +103,11 @@ class _Hooks:
 
 def _generation_step_hook(original):
     def _generation_step(self, model):
-        g = _Hooks.active.get(id(model))
-        if g is None or g._error is not None:
+        g = Hooks.active.get(id(model))
+        if g is None or g.error is not None:
             return original(self, model)
         start = time.perf_counter()
-        session = g._session_for(self)
+        session = g.session_for(self)
         with session.on_engine_stream(self):
             session.before_step(self)
         forward = time.perf_counter()
@@ -122,7 +115,7 @@ def _generation_step_hook(original):
         back = time.perf_counter()
         with session.on_engine_stream(self):
             session.after_step(self)
-        g._time_step(forward - start + time.perf_counter() - back, back - forward)
+        g.time_step(forward - start + time.perf_counter() - back, back - forward)
         return result
 
     _generation_step.__wrapped__ = original
@@ -132,7 +125,7 @@ def _generation_step_hook(original):
 def _copy_blocks_hook(original):
     def copy_blocks(self, source_block_ids, dest_block_ids):
         original(self, source_block_ids, dest_block_ids)
-        session = _Hooks.session_of(lambda s: s.allocator is self)
+        session = Hooks.session_of(lambda s: s.allocator is self)
         if session is not None:
             session.copy_records(list(source_block_ids), list(dest_block_ids))
 
@@ -143,7 +136,7 @@ def _copy_blocks_hook(original):
 def _offload_hook(original):
     def _offload_to_cpu(self, victims, victim_block_tables):
         offloaded = original(self, victims, victim_block_tables)
-        session = _Hooks.session_of(lambda s: s.cache is self.cache)
+        session = Hooks.session_of(lambda s: s.cache is self.cache)
         if session is not None:
             for request_id in offloaded:
                 blocks = victim_block_tables[request_id].get(session.group_name, [])
@@ -156,7 +149,7 @@ def _offload_hook(original):
 
 def _restore_hook(original):
     def restore_scheduled_requests(self, requests_in_batch):
-        session = _Hooks.session_of(lambda s: s.cache is self.cache)
+        session = Hooks.session_of(lambda s: s.cache is self.cache)
         if session is not None:
             for future in requests_in_batch:
                 if future.state.is_cpu_offloaded:

@@ -1,6 +1,6 @@
 """kvcanary's state beside one transformers ``PagedAttentionCache``, step by step.
 
-A :class:`_Session` holds the canary buffer (one 32-byte record per slot, slot ``block *
+A :class:`Session` holds the canary buffer (one 32-byte record per slot, slot ``block *
 page_size + offset``), the launch context whose real-KV sources are zero-copy views of the
 engine's cache tensor, who wrote each slot (request, position, step, whether the block table
 named it) and each request's own bookkeeping. Per forward step: ``before_step`` plans and
@@ -20,7 +20,8 @@ import numpy as np
 from ...api import launches as api
 from ...findings.attribution import LaunchFinding, attribute
 from ...format.consts import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, LaunchTag, RealKvHashMode
-from ...findings.diagnosis import Entry, diagnose, failed_checks
+from ...findings.diagnosis import diagnose, failed_checks
+from ...findings.evidence import Entry
 from ...model.types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan, to_host
 from ...format.violations import Violation
 from ..findings import (
@@ -31,7 +32,7 @@ from ..findings import (
     explain,
     row_reasons,
 )
-from .hooks import GuardError
+from ...format.errors import GuardError
 
 if TYPE_CHECKING:    # the guard module imports this one
     from . import Guard
@@ -58,7 +59,7 @@ class _Request:
         self.restored = False
 
 
-class _Session:
+class Session:
     """kvcanary's state beside one PagedAttentionCache: canary buffer, launch context, who
     wrote each slot, and each request's own bookkeeping."""
 
@@ -71,7 +72,7 @@ class _Session:
         groups = cache.cache_allocators
         allocator = next(iter(groups.values()))
         if len(groups) != 1 or type(allocator) is not FullAttentionCacheAllocator:
-            raise GuardError("kvcanary: only models whose layers are all full attention are "
+            raise GuardError("only models whose layers are all full attention are "
                              f"supported, this one has cache groups {sorted(groups)}")
         self.group_name = next(iter(groups))
         self.allocator = allocator
@@ -114,7 +115,7 @@ class _Session:
         a = self.allocator
         token_bytes = int(a.num_key_value_heads) * int(a.head_dim) * a.cache_dtype.itemsize
         if self.guard.sources and token_bytes % 16:
-            raise GuardError(f"kvcanary: one token's K row is {token_bytes} bytes; real-KV "
+            raise GuardError(f"one token's K row is {token_bytes} bytes; real-KV "
                              "sources need a multiple of 16 (use sources=() to guard without)")
         page_bytes = self.page * token_bytes
         out = []
@@ -169,7 +170,7 @@ class _Session:
         g = self.guard
         io = processor.inputs_and_outputs
         if type(io) is not ContinuousBatchingIOs:
-            raise GuardError("kvcanary: asynchronous batching is not supported; run with "
+            raise GuardError("asynchronous batching is not supported; run with "
                              "ContinuousBatchingConfig(use_async_batching=False)")
         g.stats["steps"] += 1
         self.step = g.stats["steps"]
@@ -254,8 +255,8 @@ class _Session:
                 event[0] |= int(f.violation.fail_reason_bits)
                 event[1] = f if event[1] is None else event[1]
         self._record(events, batch)
-        if g._error is not None:     # on_violation="raise": stop before the forward
-            raise g._error
+        if g.error is not None:     # on_violation="raise": stop before the forward
+            raise g.error
 
     def _take_rows(self) -> np.ndarray:
         log = self.context.violation_log
@@ -327,8 +328,8 @@ class _Session:
             rec.length = engine_past + q      # follow the engine once its step is checked
         self.last = [(rec.request_id, list(self.allocator.block_table.get(rec.request_id, ())),
                       rec.length, tokens) for rec, _, _, _, _, _, tokens in batch]
-        if g._error is not None:
-            raise g._error
+        if g.error is not None:
+            raise g.error
 
     def _uid(self, request_id: str) -> int:
         uid = self.uid_of.get(request_id)
@@ -360,7 +361,7 @@ class _Session:
             found.explanation = explain(found.finding, self._evidence(
                 batch[i].rec, position, slot, batch[i].table, own,
                 (engine_positions or {}).get(key), (i, position - 1) in self.misread))
-            g._report(found)
+            g.report(found)
     def _evidence(self, rec, position, slot, table, own_write, engine_position,
                   misread_before) -> EngineEvidence:
         own, followed = own_write
