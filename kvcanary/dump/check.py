@@ -254,10 +254,11 @@ def _load_real_kv(c: _Checker, dump: Dump) -> None:
 
 
 def _mode(c: _Checker, array) -> RealKvHashMode:
-    name = c.string("real_kv_hash_mode", array).strip().upper()
-    if name not in RealKvHashMode.__members__:
-        c.fail("real_kv_hash_mode", f"must be none, partial or all, got {name.lower()!r}")
-    return RealKvHashMode[name]
+    try:
+        return RealKvHashMode.from_name(c.string("real_kv_hash_mode", array))
+    except ValueError as exc:
+        detail = str(exc)
+    c.fail("real_kv_hash_mode", detail)
 
 
 def _load_swa(c: _Checker, dump: Dump) -> None:

@@ -81,6 +81,24 @@ class RealKvHashMode(enum.IntEnum):
     PARTIAL = 1
     ALL = 2
 
+    @classmethod
+    def from_name(cls, name: str) -> "RealKvHashMode":
+        """The mode a name spells, as dumps, options and results write it (``none``,
+        ``partial``, ``all``; any case, surrounding blanks ignored): the one parser of a mode
+        name. Raises ``ValueError`` naming the three otherwise.
+
+        >>> RealKvHashMode.from_name("partial")
+        <RealKvHashMode.PARTIAL: 1>
+        """
+        key = str(name).strip().upper()
+        if key not in cls.__members__:
+            raise ValueError(f"must be none, partial or all, got {key.lower()!r}")
+        return cls[key]
+
+
+# The mode names in the enum's order (option choices; the campaign's pins index them).
+HASH_MODE_NAMES = tuple(mode.name.lower() for mode in RealKvHashMode)
+
 
 class LaunchTag(enum.IntEnum):
     """Which launch a violation row came from (a context's ``kernel_kind``): where in the

@@ -6,10 +6,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..format.consts import RealKvHashMode
+from ..format.consts import HASH_MODE_NAMES, RealKvHashMode
 from ..format.errors import ToolError
 
-MODES = ("none", "partial", "all")
+MODES = HASH_MODE_NAMES
 # Seeds are recorded in int64 dump keys (synth_config) and feed numpy's SeedSequence.
 MAX_SEED = (1 << 63) - 1
 # Real-KV source ``i`` holds dtype ``SOURCE_DTYPES[i % 4]``, so runs cover several element sizes.
@@ -106,7 +106,7 @@ class SynthConfig:
 
     @property
     def hash_mode(self) -> RealKvHashMode:
-        return RealKvHashMode[self.mode.upper()]
+        return RealKvHashMode.from_name(self.mode)
 
     def record(self) -> dict:
         """The options as the dump records them (a per-token run leaves block_size out)."""

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..format.consts import FailReason, RealKvHashMode
+from ..format.consts import RealKvHashMode
+from ..format.bits import SLOT_ZERO_IN_PREFIX as _SLOT_ZERO
 from .fault_kinds import (DEFAULT_TARGET, FAULT_KINDS, REQUEST, SWEEP, Fault, Site,
                           real_kv_byte_note)
-
-_SLOT_ZERO = int(FailReason.SLOT_ZERO_IN_PREFIX)
 
 
 @dataclass
@@ -108,7 +107,7 @@ def score(faults, result) -> list:
     """Match injected faults against an audit result's findings: a fault is detected when at
     every one of its sites a finding of that entry (request row and position, or sweep
     position; and the slot the entry reads) fired the bits expected there."""
-    mode = RealKvHashMode[result.real_kv_hash_mode.upper()]
+    mode = RealKvHashMode.from_name(result.real_kv_hash_mode)
     fired = findings_by_entry(result)
     outcomes = []
     for fault in faults:

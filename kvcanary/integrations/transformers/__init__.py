@@ -38,7 +38,7 @@ import logging
 import numpy as np
 
 from ...findings.attribution import Merger
-from ...format.consts import RealKvHashMode
+from ...format.consts import HASH_MODE_NAMES, RealKvHashMode
 from ...dump import save as save_dump
 from ...format.violations import Violation
 from ..findings import Finding, Sighting
@@ -51,8 +51,7 @@ logger = logging.getLogger("kvcanary")
 SOURCE_PRESETS = ("k0", "kv-all")
 PLAN_FROM = ("read_indices", "block_table")
 ON_VIOLATION = ("log", "raise")
-HASH_MODES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL,
-              "all": RealKvHashMode.ALL}
+HASH_MODES = HASH_MODE_NAMES
 
 
 def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
@@ -91,7 +90,7 @@ def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
         raise GuardError(f"guard() needs a transformers model with generate_batch, "
                          f"got {type(model).__name__}")
     layers = int(model.config.get_text_config().num_hidden_layers)
-    return Guard(model, _source_list(sources, layers), HASH_MODES[hash_mode],
+    return Guard(model, _source_list(sources, layers), RealKvHashMode.from_name(hash_mode),
                  bool(check_tokens), plan_from, on_violation, int(ring_capacity))
 
 
