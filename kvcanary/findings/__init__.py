@@ -2,5 +2,4 @@
 support (``diagnosis``), and a launch's rows tied to (request, position) and merged across
 launches (``attribution``).
 
-It may import the layers below it: :mod:`kvcanary.api`, :mod:`kvcanary.backends`,
-:mod:`kvcanary.model`, :mod:`kvcanary.format`, :mod:`kvcanary.system`."""
+What it may import: README.md beside this file."""

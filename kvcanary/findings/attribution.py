@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..format.consts import EXPECTED_TOKEN_UNKNOWN, FailReason
+from ..format.consts import EXPECTED_TOKEN_UNKNOWN
+from ..format.bits import SLOT_OUT_OF_RANGE as _OUT, VERIFY_POSITION_MISMATCH as _POSITION
 from ..format.errors import CanaryError
 from .diagnosis import Diagnosis, diagnose, failed_checks
 from .evidence import CHAIN_HEAD_INT64, Entry, Evidence, record_links
@@ -37,9 +38,6 @@ from ..format.rules import canary_fields, window_start
 from ..backends.reference.verify import active_entries
 from ..model.types import to_host
 from ..format.violations import Violation
-
-_OUT = int(FailReason.SLOT_OUT_OF_RANGE)
-_POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..format.consts import EXPECTED_TOKEN_UNKNOWN, PLAN_SLOT_OUT_OF_TABLE, FailReason
+from ..format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN,
+                           VERIFY_POSITION_MISMATCH as _POSITION,
+                           VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
+                           VERIFY_TOKEN_MISMATCH as _TOKEN, WRITE_MISMATCH as _WRITE,
+                           SLOT_OUT_OF_RANGE as _OUT, SLOT_ZERO_IN_PREFIX as _ZERO_SLOT)
 from .evidence import CHAIN_HEAD_INT64, Entry, Evidence
 from ..format.violations import Violation
 
@@ -62,13 +67,6 @@ NAMED_REQUESTS = 3
 
 _CHECK_BITS = tuple((int(bit), text) for bit, text in CHECK_WORDS.items())
 _KNOWN_BITS = sum(bit for bit, _ in _CHECK_BITS)
-_CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-_POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)
-_REAL_KV = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
-_TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
-_WRITE = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
-_OUT = int(FailReason.SLOT_OUT_OF_RANGE)
-_ZERO_SLOT = int(FailReason.SLOT_ZERO_IN_PREFIX)
 
 
 def failed_checks(bits: int) -> tuple:

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..findings.attribution import MergedFinding
-from ..format.consts import FailReason
+from ..format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN,
+                           VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
+                           WRITE_POSITION_MISMATCH as _WRITE_POSITION)
 from ..findings.diagnosis import Diagnosis
 from ..format.violations import Violation, reason_labels
 
@@ -35,9 +37,6 @@ WRITE_INDEX_MISMATCH = "write_index_mismatch"
 # Causes of a verify row the shared diagnosis states from the index alone, whatever the
 # engine's evidence: an index outside the buffer or table, padding slot 0 in a live prefix.
 SHARED_CAUSES = ("out-of-range", "slot-zero")
-_CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-_REAL_KV = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
-_WRITE_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
 
 
 class Sighting(NamedTuple):

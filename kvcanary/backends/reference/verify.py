@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...format.consts import EXPECTED_TOKEN_UNKNOWN, FailReason, TOKEN_TO_KV_SLOT_PADDING
+from ...format.consts import EXPECTED_TOKEN_UNKNOWN, TOKEN_TO_KV_SLOT_PADDING
+from ...format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN, VERIFY_TOKEN_MISMATCH as _TOKEN,
+                            VERIFY_POSITION_MISMATCH as _POSITION,
+                            VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
+                            SLOT_OUT_OF_RANGE as _OUT_OF_RANGE)
 from ...format.hashing import CHAIN_HEAD, link_inplace
 from ...format.rules import canary_fields, violation_rows
 from .realkv import outside_sources, real_kv_hash
 from .ring import commit_rows
-
-_CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-_TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
-_POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)
-_REAL_KV = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
-_OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
 
 
 def active_entries(plan) -> int:

@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...format.consts import TOKEN_TO_KV_SLOT_PADDING, FailReason
+from ...format.consts import TOKEN_TO_KV_SLOT_PADDING
+from ...format.bits import (SLOT_OUT_OF_RANGE as _OUT_OF_RANGE, WRITE_TOKEN_MISMATCH as _TOKEN,
+                            WRITE_POSITION_MISMATCH as _POSITION, WRITE_SLOT_CONFLICT as _CONFLICT)
 from ...format.hashing import CHAIN_HEAD, mix3_inplace
 from ...format.rules import canary_fields, violation_rows
 from .realkv import outside_sources, real_kv_hash
 from .ring import commit_rows
 
-_OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
-_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
-_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
-_CONFLICT = int(FailReason.WRITE_SLOT_CONFLICT)
 
 # Row order inside one request: its range or seed problems first, then per entry the
 # input assert, the chain-position assert, the out-of-range slot and the slot conflict.
