@@ -163,7 +163,10 @@ def check_contiguous(x, name: str) -> None:
 
 
 def data_address(x) -> int:
-    """Address of the first element (numpy or cupy)."""
+    """Address of the first element (numpy or cupy); 0 for ``None`` (a launch's null
+    pointer). The one place an array's address is read: the checks and the launcher."""
+    if x is None:
+        return 0
     return int(x.data.ptr) if is_cupy_array(x) else int(x.__array_interface__["data"][0])
 
 

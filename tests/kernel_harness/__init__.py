@@ -23,6 +23,7 @@ import numpy as np
 
 from kvcanary.backends.cuda import launch as L
 from kvcanary.backends.kernel_source import kernel_dir
+from kvcanary.model.arrays import data_address
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_FLAGS = ("-O2",)
@@ -104,7 +105,7 @@ def marshal(args) -> tuple[ctypes.Array, list]:
             # A by-value struct: a 0-d structured array, which CuPy passes by value too.
             value = ctypes.create_string_buffer(arg.tobytes(), arg.nbytes)
         elif isinstance(arg, np.ndarray):
-            value = ctypes.c_void_p(L.array_pointer(arg))
+            value = ctypes.c_void_p(data_address(arg))
         elif isinstance(arg, np.int64):
             value = ctypes.c_int64(int(arg))
         elif isinstance(arg, np.int32):

@@ -116,15 +116,6 @@ def sources_dtype(max_real_kv_sources: int) -> np.dtype:
                     align=True)
 
 
-def array_pointer(array) -> int:
-    """Address of an array's first element (numpy or cupy)."""
-    if array is None:
-        return 0
-    if isinstance(array, np.ndarray):
-        return int(array.ctypes.data)
-    return int(array.data.ptr)
-
-
 def pack_sources(context) -> np.ndarray:
     """The by-value descriptor struct of a launch, as a read-only 0-d structured array:
     CuPy passes a one-element numpy array by value on every version (a ``numpy.void``
@@ -135,7 +126,7 @@ def pack_sources(context) -> np.ndarray:
     sources = context.real_kv_sources
     if not context.hashing:
         return _packed_sources(context.max_real_kv_sources, int(RealKvHashMode.NONE), ())
-    descriptors = tuple((array_pointer(s.tensor), s.row_stride_bytes, s.page_size,
+    descriptors = tuple((A.data_address(s.tensor), s.row_stride_bytes, s.page_size,
                          s.num_bytes_per_token, s.read_bytes, int(s.tensor.shape[0]))
                         for s in sources)
     return _packed_sources(context.max_real_kv_sources, int(context.real_kv_hash_mode),
