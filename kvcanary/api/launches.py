@@ -8,6 +8,7 @@ outputs copied back, so the call still works in place."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,41 +73,71 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
          strict: bool = False, check_capacity: bool | None = None) -> PlanReport | None:
     """Fill ``verify_plan`` and ``write_plan`` in place for one forward step.
 
-    Inputs, one entry per batch row (``bs`` rows), all int64 ``[bs]``: ``req_pool_indices``
-    (the request's table row; row 0 is padding and contributes nothing), ``prefix_lens`` (the
-    tokens already cached, which verify checks) and ``extend_seq_lens`` (the tokens this step
-    writes). Slots come from exactly one table: ``req_to_token`` (int32/int64 ``[rows,
-    max_len]``, the slot of each request row and position), or ``block_table`` (int32/int64
-    ``[rows, max_blocks]``) with ``block_size >= 1``, where position ``p`` of a row is slot
-    ``block_table[row, p // block_size] * block_size + p % block_size``; block 0 is the null
-    block, its positions map to padding slot 0. With ``swa_window_size > 0`` only the last
-    ``swa_window_size`` prefix positions are verified and every slot goes through
-    ``full_to_swa_index_mapping`` (int64 ``[full slots]``). ``req_to_verify_expected_tokens``
-    (int32/int64 ``[rows, max_len]``) with ``req_to_verify_expected_tokens_valid_lens`` (int64
-    ``[bs]``) gives each verified entry its expected token, read at ``position +
-    kv_token_id_vs_position_offset``.
-
-    Written in place: every array of ``verify_plan`` (slots, expected tokens and positions,
-    predecessor slots, ``verify_num_valid``, ``verify_enable``) and of ``write_plan``
-    (``write_offsets``, ``write_seed_slot_indices``, ``write_num_valid_reqs``); nothing else.
-    More entries than ``verify_plan.verify_capacity`` disable the verify (``enable = 0``)
-    instead of overflowing, and that is never silent: :class:`VerifyPlanTooSmall` is warned
-    once per plan object, or with ``strict=True`` a ``ValueError`` is raised after the plan is
-    filled. Returns a :class:`PlanReport` (entries needed against the capacity). The check
-    reads ``prefix_lens`` and ``req_pool_indices`` on the host: with host (numpy) arrays it
-    always runs; with device arrays it would be a copy and a synchronisation per step, which
-    a CUDA graph cannot capture, so it runs only with ``check_capacity=True`` or
-    ``strict=True`` (size the plan once with :func:`entries_needed`, or run a first step with
-    the check on). ``check_capacity=False`` skips it everywhere; a skipped check returns
-    None. ``bs`` above ``write_plan.write_req_capacity`` is an error. A
-    call that raises leaves both plans as they were.
+    Writes every array of ``verify_plan`` (slots, expected tokens and positions, predecessor
+    slots, ``verify_num_valid``, ``verify_enable``) and of ``write_plan`` (``write_offsets``,
+    ``write_seed_slot_indices``, ``write_num_valid_reqs``), nothing else. A call that raises
+    leaves both plans as they were.
 
     Arrays of one library run there (numpy: the reference; cupy: the CUDA kernels on the
     current stream, no allocation, no host synchronisation, so a step can be captured in a
-    CUDA graph after one eager run); ``backend="numpy"``/``"cupy"`` forces one (``"auto"``:
-    cupy when a CUDA device is usable, else numpy), copying the arrays over and the outputs
-    back. Bad arguments raise ``ValueError`` naming the argument.
+    CUDA graph after one eager run).
 
+    Parameters
+    ----------
+    req_pool_indices, prefix_lens, extend_seq_lens : int64 ``[bs]``
+        Per batch row: the request's table row (row 0 is padding and contributes nothing),
+        the tokens already cached (which verify checks) and the tokens this step writes.
+    req_to_token : int32 or int64 ``[rows, max_len]``, optional
+        The slot of each request row and position. Exactly one of ``req_to_token`` and
+        ``block_table`` is given.
+    verify_plan : VerifyPlan
+        Filled in place. More entries than ``verify_plan.verify_capacity`` disable the verify
+        (``enable = 0``) instead of overflowing; see ``strict`` and ``check_capacity``.
+    write_plan : WritePlan
+        Filled in place; ``bs`` above ``write_plan.write_req_capacity`` is an error.
+    swa_window_size : int, default 0
+        Above 0, only the last ``swa_window_size`` prefix positions are verified and every
+        slot goes through ``full_to_swa_index_mapping`` (int64 ``[full slots]``, then needed).
+    full_to_swa_index_mapping : int64 ``[full slots]``, optional
+    req_to_verify_expected_tokens : int32 or int64 ``[rows, max_len]``, optional
+        With ``req_to_verify_expected_tokens_valid_lens`` (int64 ``[bs]``): each verified
+        entry's expected token, read at ``position + kv_token_id_vs_position_offset``.
+    req_to_verify_expected_tokens_valid_lens : int64 ``[bs]``, optional
+    kv_token_id_vs_position_offset : int, default 0
+    block_table : int32 or int64 ``[rows, max_blocks]``, optional
+        With ``block_size >= 1``: position ``p`` of a row is slot ``block_table[row, p //
+        block_size] * block_size + p % block_size``; block 0 is the null block, its
+        positions map to padding slot 0.
+    block_size : int, optional
+        Tokens per block; given with ``block_table`` only.
+    backend : {"auto", "numpy", "cupy"}, optional
+        Forces a backend (``"auto"``: cupy when a CUDA device is usable, else numpy),
+        copying the arrays over and the outputs back. By default the arrays' library.
+    strict : bool, default False
+        A verify plan too small for the batch raises (after the plan is filled) instead of
+        warning :class:`VerifyPlanTooSmall` once per plan object.
+    check_capacity : bool, optional
+        Whether to compare the batch's prefix entries with the plan's capacity, which reads
+        ``prefix_lens`` and ``req_pool_indices`` on the host. By default it runs for host
+        (numpy) arrays, and for device arrays only with ``strict=True``: there it is a copy
+        and a synchronisation per step, which a CUDA graph cannot capture (size the plan
+        once with :func:`entries_needed`, or run a first step with the check on).
+        ``False`` skips it everywhere.
+
+    Returns
+    -------
+    PlanReport or None
+        The entries needed against the capacity; None when the capacity check was skipped.
+
+    Raises
+    ------
+    ValueError
+        A :class:`~kvcanary.CanaryError` naming the argument at fault: a bad shape, dtype or
+        library, both or neither table, ``bs`` above the write capacity, or with ``strict``
+        a plan too small for the batch.
+
+    Examples
+    --------
     >>> import numpy as np, kvcanary as kc
     >>> vp, wp = kc.VerifyPlan.allocate(64), kc.WritePlan.allocate(4)
     >>> table = np.arange(1, 33, dtype=np.int32).reshape(2, 16)
@@ -116,6 +147,47 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
     >>> report.enabled, int(vp.verify_num_valid[0]), vp.verify_slot_indices[:3].tolist()
     (True, 3, [17, 18, 19])
     """
+    table_name, inputs, scalars = _plan_inputs(
+        req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
+        extend_seq_lens=extend_seq_lens, req_to_token=req_to_token, block_table=block_table,
+        block_size=block_size, swa_window_size=swa_window_size,
+        full_to_swa_index_mapping=full_to_swa_index_mapping,
+        req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+        req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+    rows = inputs["req_pool_indices"]
+    bs = rows.shape[0]
+    verify_plan.validate()
+    write_plan.validate()
+    if bs > write_plan.write_req_capacity:
+        raise CanaryError(f"bs={bs} exceeds write_req_capacity={write_plan.write_req_capacity}",
+                          key="bs")
+    outputs = {**verify_plan.arrays(), **write_plan.arrays()}
+    for name, array in outputs.items():
+        A.check_writeable(array, name)
+    library = A.same_library(table_name, inputs["req_to_token"],
+                             **{k: v for k, v in inputs.items() if k != "req_to_token"}, **outputs)
+    _run(backend or library, library, "plan",
+         dict(inputs, verify_plan=verify_plan, write_plan=write_plan, **scalars))
+    if check_capacity is None:
+        check_capacity = library == "numpy" or strict
+    if not check_capacity:
+        return None
+    report = PlanReport(entries_needed(rows, inputs["prefix_lens"], scalars["swa_window_size"]),
+                        verify_plan.verify_capacity, bs)
+    if not report.enabled:
+        _too_small(report, verify_plan, strict)
+    return report
+
+
+def _plan_inputs(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, block_table,
+                 block_size, swa_window_size, full_to_swa_index_mapping,
+                 req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+                 kv_token_id_vs_position_offset) -> tuple:
+    """:func:`plan`'s batch arguments checked, in upstream's order: ``(table_name, inputs,
+    scalars)``, the arrays by their launch names (the slot table as ``req_to_token``) and the
+    scalar arguments (``swa_window_size``, ``kv_token_id_vs_position_offset``, ``block_size``:
+    1 for a ``req_to_token`` table)."""
     table_name, table, block_size = _slot_table(req_to_token, block_table, block_size)
     swa_window_size = A.check_int64(swa_window_size, "swa_window_size")
     kv_token_id_vs_position_offset = A.check_int64(kv_token_id_vs_position_offset,
@@ -159,38 +231,27 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
         A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", A.INT64, 1, bs)
     elif valid_lens is not None:
         A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", A.INT64, 1, bs)
-    verify_plan.validate()
-    write_plan.validate()
-    if bs > write_plan.write_req_capacity:
-        raise CanaryError(f"bs={bs} exceeds write_req_capacity={write_plan.write_req_capacity}",
-                          key="bs")
-    outputs = {**verify_plan.arrays(), **write_plan.arrays()}
-    for name, array in outputs.items():
-        A.check_writeable(array, name)
-    library = A.same_library(table_name, table,
-                             **{k: v for k, v in inputs.items() if k != "req_to_token"}, **outputs)
-    kwargs = dict(inputs, verify_plan=verify_plan, write_plan=write_plan,
-                  swa_window_size=swa_window_size,
-                  kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
-    kwargs["block_size"] = block_size
-    _run(backend or library, library, "plan", kwargs)
-    if check_capacity is None:
-        check_capacity = library == "numpy" or strict
-    if not check_capacity:
-        return None
-    report = PlanReport(entries_needed(rows, inputs["prefix_lens"], swa_window_size),
-                        verify_plan.verify_capacity, bs)
-    if not report.enabled:
-        message = (f"the verify plan holds {report.verify_capacity} entries but "
-                   f"the batch has {report.entries_needed} prefix entries: this step is not "
-                   f"verified (enable = 0); allocate VerifyPlan.allocate(n) with n >= "
-                   f"{report.entries_needed}")
-        if strict:
-            raise CanaryError(message, key="verify_plan")
-        if not getattr(verify_plan, "_warned_too_small", False):
-            verify_plan._warned_too_small = True
-            warnings.warn(VerifyPlanTooSmall(message), stacklevel=2)
-    return report
+    scalars = dict(swa_window_size=swa_window_size,
+                   kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+                   block_size=block_size)
+    return table_name, inputs, scalars
+
+
+# The verify plans already warned too small: once per plan object, without writing onto it.
+_WARNED_TOO_SMALL = weakref.WeakSet()
+
+
+def _too_small(report: PlanReport, verify_plan: VerifyPlan, strict: bool) -> None:
+    """A plan too small for its batch: raise with ``strict``, else warn once per plan."""
+    message = (f"the verify plan holds {report.verify_capacity} entries but "
+               f"the batch has {report.entries_needed} prefix entries: this step is not "
+               f"verified (enable = 0); allocate VerifyPlan.allocate(n) with n >= "
+               f"{report.entries_needed}")
+    if strict:
+        raise CanaryError(message, key="verify_plan")
+    if verify_plan not in _WARNED_TOO_SMALL:
+        _WARNED_TOO_SMALL.add(verify_plan)
+        warnings.warn(VerifyPlanTooSmall(message), stacklevel=3)
 
 
 def _slot_table(req_to_token, block_table, block_size) -> tuple:
