@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from kvcanary.audit import audit
-from kvcanary.dump import load, save
 from kvcanary.synth import (
     EXPECTED_BITS,
     FAULT_KINDS,
@@ -22,17 +21,7 @@ from kvcanary.synth import (
     parse_inject,
     score,
 )
-
-SMALL = dict(requests=24, num_slots=1024, max_running=8, prompt_len=(8, 48), output_len=(4, 16),
-             shared_prefix_len=(16, 40))
-
-
-def run(**overrides) -> Synthesis:
-    return Synthesis(SynthConfig(**{**SMALL, **overrides})).run()
-
-
-def roundtrip(tmp_path, synthesis, name="d.npz"):
-    return load(save(str(tmp_path / name), **synthesis.arrays()))
+from synth_support import SMALL, roundtrip, run
 
 
 COMBOS = [dict(page_size=p, swa_window=w, sources=s, mode=m)

@@ -22,17 +22,7 @@ from kvcanary.synth import (
     faults_from_dump,
     score,
 )
-
-SMALL = dict(requests=24, num_slots=1024, max_running=8, prompt_len=(8, 48), output_len=(4, 16),
-             shared_prefix_len=(16, 40))
-
-
-def run(**overrides) -> Synthesis:
-    return Synthesis(SynthConfig(**{**SMALL, **overrides})).run()
-
-
-def roundtrip(tmp_path, synthesis, name="d.npz"):
-    return load(save(str(tmp_path / name), **synthesis.arrays()))
+from synth_support import SMALL, roundtrip, run
 
 
 def per_token_arrays(arrays: dict) -> dict:
