@@ -1,32 +1,40 @@
-"""The package's layers show: no import cycle between kvcanary's modules and no import from a
-lower layer into a higher one (function-level imports included). A new module gets a layer
-here; an arrow that breaks the order fails with the importing module and the imported one."""
+"""The package's layers show, and the folders are the layers: each folder of kvcanary/ says in
+its README.md what lives there and which folders it may import (a ``May import:`` line); the
+test reads the layers from those lines. It fails on an import a folder does not declare
+(function-level imports included), on declarations that are not a strict order of layers, on
+an import cycle between modules, and on a module outside the folders (the top level holds
+only the package's ``__init__`` and ``__main__``)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvcanary"
+# What a README's May-import line names besides folders: the package's public API.
+PUBLIC = "kvcanary"
+TOP_LEVEL = {"__init__.py", "__main__.py"}
 
-# Lowest first. A module may import its own layer and the ones below it.
-LAYERS = [
-    ("format", ["format"]),
-    ("system", ["system"]),
-    ("model", ["model"]),
-    ("backends", ["backends"]),
-    ("api", ["api"]),
-    ("findings", ["findings"]),
-    ("dump", ["dump"]),
-    ("audit", ["audit"]),
-    ("report", ["report"]),
-    ("synth", ["synth"]),
-    ("campaign", ["campaign"]),
-    ("integrations", ["integrations"]),
-    ("tools", ["tools"]),
-    ("cli", ["cli", "__main__", "__init__"]),
-]
-LAYER_OF = {top: index for index, (_, tops) in enumerate(LAYERS) for top in tops}
+
+def folders() -> list:
+    return sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+
+
+def declared() -> dict:
+    """folder -> the set of folders (and ``kvcanary``) its README says it may import."""
+    may = {}
+    for folder in folders():
+        readme = PACKAGE / folder / "README.md"
+        assert readme.is_file(), f"kvcanary/{folder}: say in a README.md what lives there " \
+                                 "and what it may import"
+        found = re.findall(r"^May import: *(.*)$", readme.read_text(encoding="utf-8"), re.M)
+        assert len(found) == 1, f"{readme}: one 'May import:' line (folders, or 'nothing')"
+        names = {n.strip() for n in found[0].split(",") if n.strip()} - {"nothing"}
+        unknown = names - set(folders()) - {PUBLIC}
+        assert not unknown, f"{readme}: no such folder: {sorted(unknown)}"
+        may[folder] = names
+    return may
 
 
 def module_name(path: Path) -> str:
@@ -61,17 +69,51 @@ def graph() -> dict:
             for name, path in files.items()}
 
 
-def layer(module: str) -> int:
+def folder_of(module: str) -> str | None:
+    """The folder a module lives in; None for the package's top-level modules."""
     parts = module.split(".")
-    top = parts[1] if len(parts) > 1 else "__init__"
-    assert top in LAYER_OF, f"{module}: give it a layer in tests/test_layers.py"
-    return LAYER_OF[top]
+    return parts[1] if len(parts) > 1 and parts[1] != "__main__" else None
 
 
-def test_no_upward_import():
-    upward = sorted(f"{a} -> {b}" for a, targets in graph().items() for b in targets
-                    if layer(b) > layer(a))
-    assert not upward, upward
+def undeclared(edges: dict, may: dict) -> list:
+    found = []
+    for a, targets in edges.items():
+        source = folder_of(a)
+        if source is None:        # kvcanary/__init__ and __main__: the package itself
+            continue
+        for b in targets:
+            target = folder_of(b) or PUBLIC
+            if target != source and target not in may[source]:
+                found.append(f"{a} -> {b} (kvcanary/{source}/README.md does not declare {target})")
+    return sorted(found)
+
+
+def not_layered(may: dict) -> list:
+    """Declarations that are not a strict order: a folder that may import itself through
+    another, or that does not also declare what the folders it imports may import."""
+    found = []
+    for folder, names in may.items():
+        for lower in names - {PUBLIC}:
+            if folder in may[lower]:
+                found.append(f"{folder} and {lower} may import each other")
+            missing = may[lower] - names
+            if missing:
+                found.append(f"{folder} may import {lower} but not what {lower} may: "
+                             f"{sorted(missing)}")
+    return sorted(found)
+
+
+def test_every_module_lives_in_a_folder():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in TOP_LEVEL)
+    assert not loose, f"modules outside the folders: {loose}"
+
+
+def test_the_folders_are_a_strict_order_of_layers():
+    assert not_layered(declared()) == []
+
+
+def test_no_import_a_folder_does_not_declare():
+    assert undeclared(graph(), declared()) == []
 
 
 def test_no_import_cycle():
@@ -100,17 +142,31 @@ def _package_reexport(cycle: str) -> bool:
     return any(b.startswith(a + ".") for a, b in zip(nodes, nodes[1:]))
 
 
-def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path, monkeypatch):
+def test_the_checker_sees_an_undeclared_import_a_cycle_and_a_loose_module(tmp_path,
+                                                                          monkeypatch):
     fake = tmp_path / "kvcanary"
-    (fake / "synth").mkdir(parents=True)
-    (fake / "format").mkdir()
+    for folder, may in (("format", "nothing"), ("campaign", "format")):
+        (fake / folder).mkdir(parents=True)
+        (fake / folder / "__init__.py").write_text("")
+        (fake / folder / "README.md").write_text(f"# {folder}\n\nMay import: {may}\n")
     (fake / "__init__.py").write_text("")
-    (fake / "format" / "__init__.py").write_text("")
     (fake / "format" / "consts.py").write_text("from ..campaign import x\n")
-    (fake / "campaign.py").write_text("from .format import consts\n")
-    (fake / "synth" / "__init__.py").write_text("")
+    (fake / "campaign" / "x.py").write_text("from ..format import consts\n")
+    (fake / "loose.py").write_text("")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
     edges = graph()
-    assert "kvcanary.campaign" in edges["kvcanary.format.consts"]
-    assert layer("kvcanary.campaign") > layer("kvcanary.format.consts")
-    assert "kvcanary.format.consts" in edges["kvcanary.campaign"]
+    assert "kvcanary.campaign.x" in edges["kvcanary.format.consts"]
+    assert undeclared(edges, declared()) == [
+        f"kvcanary.format.consts -> {target} "
+        "(kvcanary/format/README.md does not declare campaign)"
+        for target in ("kvcanary.campaign", "kvcanary.campaign.x")]
+    assert "kvcanary.format.consts" in edges["kvcanary.campaign.x"]
+    assert not_layered({"format": {"campaign"}, "campaign": {"format"}}) != []
+    assert not_layered({"a": {"b"}, "b": {"c"}, "c": set()}) == [
+        "a may import b but not what b may: ['c']"]
+    try:
+        test_every_module_lives_in_a_folder()
+    except AssertionError as exc:
+        assert "loose.py" in str(exc)
+    else:
+        raise AssertionError("a module outside the folders passed")

@@ -3,4 +3,4 @@ per rule), ``cuda`` (the CUDA kernels of ``kernels/``, compiled at run time by C
 those kernels' sources live (``kernel_source``), and the one resolution of a backend name
 (``resolve``: ``auto``, ``numpy``, ``cupy``).
 
-It may import :mod:`kvcanary.format`, :mod:`kvcanary.model` and :mod:`kvcanary.system`."""
+What it may import: README.md beside this file."""

@@ -3,4 +3,4 @@ the plans and real-KV sources it re-exports), ``plans``, ``sources``, and the ar
 under them (``arrays``: which library an array is, the argument checks; ``dlpack``: foreign
 arrays without their library).
 
-It may import :mod:`kvcanary.format`."""
+What it may import: README.md beside this file."""

@@ -2,4 +2,4 @@
 SIGTERM, worker processes that stop with their parent) and ``atomic`` (whole-or-nothing
 files and directories).
 
-It imports no other part of kvcanary."""
+What it may import: README.md beside this file."""

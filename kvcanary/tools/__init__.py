@@ -2,4 +2,4 @@
 and the engine demo) and ``info`` (the environment report). The commands themselves live
 in :mod:`kvcanary.cli`.
 
-It may import every layer but the command line."""
+What it may import: README.md beside this file."""
