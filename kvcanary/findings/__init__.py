@@ -1,4 +1,4 @@
-"""What a ring row means: the evidence tables of a batch (``evidence``), the cause they
+"""What a ring row means: the one vocabulary of causes (``causes``), the evidence tables of a batch (``evidence``), the cause they
 support (``diagnosis``), and a launch's rows tied to (request, position) and merged across
 launches (``attribution``).
 

@@ -2,27 +2,8 @@
 
 A ring row says which checks failed at one slot. The diagnosis cross-references it with the
 other verify entries of the same batch (who else maps the slot, whose record the stored one
-continues) and with the records themselves, and states the cause the evidence supports:
-
-==========================  =================================================================
-cause                       evidence
-==========================  =================================================================
-``out-of-range``            the slot or predecessor index lies outside the buffer or table
-``slot-zero``               a live prefix entry maps padding slot 0 (kvcanary's extension)
-``never-written``           the stored record is all zeros
-``wrong-buffer``            the record is zero and so are most records the batch reads
-``shared-slot``             another live request maps the slot, and the record is its own
-``shifted-mapping``         the record is another position of the same request (shift/swap)
-``position-changed``        token and chain link are this entry's, only the position differs
-``overwritten``             the record belongs to no live request: rewritten by another
-                            sequence while this request still maps the slot
-``predecessor-changed``     only the chain link fails, and the predecessor's record fails too
-``link-changed``            only the chain link fails, and the predecessor's record is intact
-``kv-bytes-changed``        only the real-KV hash fails: the KV bytes changed after the write
-``wrong-token``             only the token fails against the expected tokens
-``record-changed``          several fields of an otherwise unexplained record differ
-``write-input``             the write path consumed other tokens or positions than expected
-==========================  =================================================================
+continues) and with the records themselves, and states the cause the evidence supports: one
+of :class:`~kvcanary.findings.causes.Cause`, each with what it means and the evidence for it.
 
 The entry point is :func:`diagnose`; :class:`~kvcanary.findings.evidence.Evidence` holds the
 cross-reference tables (build it with :meth:`~kvcanary.findings.evidence.Evidence.from_entries`). Without evidence (a log line alone) the
@@ -41,6 +22,7 @@ from ..format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN,
                            VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
                            VERIFY_TOKEN_MISMATCH as _TOKEN, WRITE_MISMATCH as _WRITE,
                            SLOT_OUT_OF_RANGE as _OUT, SLOT_ZERO_IN_PREFIX as _ZERO_SLOT)
+from .causes import Cause
 from .evidence import CHAIN_HEAD_INT64, Entry, Evidence
 from ..format.violations import Violation
 
@@ -55,10 +37,7 @@ CHECK_WORDS = {
     FailReason.SLOT_ZERO_IN_PREFIX: "live entry not on padding slot 0",
     FailReason.WRITE_SLOT_CONFLICT: "one write per slot per launch",
 }
-CAUSES = ("out-of-range", "slot-zero", "never-written", "wrong-buffer", "shared-slot",
-          "shifted-mapping", "position-changed", "overwritten", "predecessor-changed",
-          "link-changed", "kv-bytes-changed", "wrong-token", "record-changed", "write-input",
-          "unknown")
+CAUSES = tuple(cause.value for cause in Cause)
 # Share of zero records among the entries a batch reads above which a zero record means the
 # wrong buffer (or a dump before the writes) rather than one lost write.
 WRONG_BUFFER_SHARE = 0.5
@@ -80,16 +59,21 @@ def failed_checks(bits: int) -> tuple:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """The cause a row's evidence supports. ``cause`` is one of :data:`CAUSES`; ``text``
-    says it with the evidence; ``certain`` is False where the evidence fits several causes,
-    which ``alternatives`` then name; ``related`` lists the other entries involved
+    """The cause a row's evidence supports. ``cause`` is a :class:`~kvcanary.findings.causes.Cause`
+    (given as one or as its name; any other name raises ``ValueError``); ``text`` says it
+    with the evidence; ``certain`` is False where the evidence fits several causes, which
+    ``alternatives`` then name; ``related`` lists the other entries involved
     (``{"request_row", "batch_index", "position", "slot"}`` dicts)."""
 
-    cause: str
+    cause: Cause
     text: str
     certain: bool = True
     alternatives: tuple = ()
     related: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "cause", Cause(self.cause))
+        object.__setattr__(self, "alternatives", tuple(Cause(c) for c in self.alternatives))
 
     def to_dict(self, text: bool = True) -> dict:
         """JSON-ready; ``text=False`` leaves the explanation out (a record that carries it

@@ -29,6 +29,7 @@ from ..findings.attribution import MergedFinding
 from ..format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN,
                            VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
                            WRITE_POSITION_MISMATCH as _WRITE_POSITION)
+from ..findings.causes import Cause
 from ..findings.diagnosis import Diagnosis
 from ..format.violations import Violation, reason_labels
 
@@ -36,7 +37,7 @@ READ_INDEX_MISMATCH = "read_index_mismatch"
 WRITE_INDEX_MISMATCH = "write_index_mismatch"
 # Causes of a verify row the shared diagnosis states from the index alone, whatever the
 # engine's evidence: an index outside the buffer or table, padding slot 0 in a live prefix.
-SHARED_CAUSES = ("out-of-range", "slot-zero")
+SHARED_CAUSES = (Cause.OUT_OF_RANGE, Cause.SLOT_ZERO)
 
 
 class Sighting(NamedTuple):
@@ -157,7 +158,7 @@ def explain(sighting: Sighting, ev: EngineEvidence) -> str:
                 f"{victim} instead of its own slot {ev.table_slot}")
     if sighting.diagnosis is not None and sighting.diagnosis.cause in SHARED_CAUSES:
         return sighting.diagnosis.text
-    if sighting.diagnosis is not None and sighting.diagnosis.cause == "write-input":
+    if sighting.diagnosis is not None and sighting.diagnosis.cause is Cause.WRITE_INPUT:
         # No write index check failed with it: the write went where the block table says.
         return (f"{ev.request_id}: {sighting.diagnosis.text} (written to the slot the block "
                 "table maps)")
