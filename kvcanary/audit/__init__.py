@@ -24,10 +24,10 @@ dump whose every record is corrupt audits about as fast as a clean one; rows bey
 error.
 
 The steps, one module each: ``launches`` builds the entries (``live_launches``,
-``sweep_launches``) and runs one launch (``verify_rows``), ``matching`` names the entry of each
-row (``attribute_rows``), ``tally`` summarises (``Tally``), ``diagnose`` explains (``diagnose_findings``);
-``result`` holds what the audit returns. :func:`audit` (``engine``) runs the one loop over
-both kinds of launches.
+``sweep_launches``) and runs one launch (``verify_rows``), ``matching`` names the entry of
+each row (``attribute_rows``), ``tally`` summarises (``Tally``), ``diagnose`` explains
+(``diagnose_findings``); ``result`` holds what the audit returns. :func:`audit`
+(``engine``) runs the one loop over both kinds of launches.
 """
 
 from ..findings.diagnosis import Diagnosis, likely_cause
