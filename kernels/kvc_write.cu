@@ -165,7 +165,7 @@ KVC_DEVICE int64_t write_request(uint8_t* canary_buf, int64_t stride, int64_t nu
 }
 
 // kvc_write's parameters, passed as one __grid_constant__ struct (the host packs it as
-// kvcanary/cuda/write_args.py's WRITE_ARGS layout; tests/kernels check the two agree).
+// kvcanary/backends/cuda/write_args.py's WRITE_ARGS_FIELDS; tests/kernels check the two agree).
 struct WriteArgs {
   uint8_t* canary_buf;
   int64_t num_slots;

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable
 
-from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason
+from ..format.consts import REAL_KV_PARTIAL_READ_BYTES, FailReason
 from . import fault_changes as change
 from .config import SynthError
 from .fault_sites import DEFAULT_TARGET, HIGH, LOW, REQUEST, TARGET_CLASSES, real_kv_byte_note

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..consts import REAL_KV_PARTIAL_READ_BYTES, RealKvHashMode
+from ..format.consts import REAL_KV_PARTIAL_READ_BYTES, RealKvHashMode
 
 TARGET_DESCRIPTIONS = {
     "head": "position 0 of a live request (owned, or the first slot of a shared prefix)",

@@ -18,8 +18,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .. import api
-from ..types import WritePlan
+from ..api import launches as api
+from ..model.types import WritePlan
 from .config import SynthError
 from .fault_kinds import BLOCK, KINDS, PAIR_SHAPES, check_kind_target
 from .fault_sites import DEFAULT_TARGET, REQUEST, SWEEP, Fault, Site

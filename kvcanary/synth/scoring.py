@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..consts import FailReason, RealKvHashMode
+from ..format.consts import FailReason, RealKvHashMode
 from .fault_kinds import FAULT_KINDS, KINDS
 from .fault_sites import DEFAULT_TARGET, REQUEST, SWEEP, Fault, Site
 

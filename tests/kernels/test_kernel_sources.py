@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary.kernel_source import kernel_dir
+from kvcanary.backends.kernel_source import kernel_dir
 
 HARNESS = Path(__file__).resolve().parents[1] / "kernel_harness"
 SOURCES = sorted([*kernel_dir().glob("*.cu*"), *HARNESS.glob("*.cpp"), *HARNESS.glob("*.h")])

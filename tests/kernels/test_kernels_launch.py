@@ -8,8 +8,8 @@ import pytest
 import kvcanary as kc
 from builders import make_context, make_sources, make_verify_plan
 from kernel_harness import CpuKernels, load
-from kvcanary.cuda import launch as L
-from kvcanary.cuda.write_args import WRITE_ARGS_FIELDS, write_args_dtype
+from kvcanary.backends.cuda import launch as L
+from kvcanary.backends.cuda.write_args import WRITE_ARGS_FIELDS, write_args_dtype
 
 
 @pytest.mark.needs_compiler
@@ -147,7 +147,7 @@ def test_argument_lists_use_fixed_width_scalars():
 
 
 def test_cuda_backend_reports_no_device_here():
-    from kvcanary import cuda
+    from kvcanary.backends import cuda
 
     try:
         import cupy

@@ -50,7 +50,7 @@ def test_batch_of_5000_rows(table_dtype, pool_dtype):
 def test_every_index_type_entry_point_matches_the_reference(cpu_kernels):  # noqa: F811
     """Each (table, token pool) index type has its own entry points; a small batch through
     each, block table and sliding window included, byte-compared in every thread order."""
-    from kvcanary.cuda import launch as L
+    from kvcanary.backends.cuda import launch as L
 
     rng = np.random.default_rng(7)
     start = len(cpu_kernels.launches)
