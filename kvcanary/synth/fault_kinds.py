@@ -122,6 +122,8 @@ class FaultKind:
         return ""
 
     def note(self, fault, mode, compat: bool = False) -> str:
+        """Why a scored ``fault`` of this kind is or is not visible under hash ``mode`` and
+        the rules (``compat``: upstream's only), in words."""
         return fault.note if self.outcome_note is None else self.outcome_note(fault, mode, compat)
 
 

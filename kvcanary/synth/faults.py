@@ -187,10 +187,12 @@ class FaultInjector:
         return free & written.all(axis=1) if whole else free
 
     def mapped_block(self, i: int):
+        """The prefix-cache block live entry ``i`` reads through."""
         e = self.entries()
         return self.s.running[int(e.batch[i])].blocks[int(e.position[i]) // self.bs]
 
     def subtree_slots(self, block) -> np.ndarray:
+        """Canary slots of ``block`` and every cached block below it."""
         below = [b.slots for b in self.s.cache.subtree(block)]
         return self.s.allocator.canary_slots(np.concatenate(below).astype(np.int64))
 
@@ -257,10 +259,12 @@ class FaultInjector:
                      if reads[e.position[u] % self.bs] >= least)
 
     def unit_taken(self, i: int) -> list:
+        """The written canary slots of entry ``i``'s unit (its slot, or its paged block)."""
         u = self.entries().unit_slots[i]
         return [int(x) for x in u if x > 0]
 
     def make_fault(self, kind, target, i, sites, *, detail=-1, note="") -> Fault:
+        """The :class:`Fault` placed at entry ``i``: its bits the union of its sites'."""
         e = self.entries()
         expected = functools.reduce(operator.or_, (site.bits for site in sites), 0)
         return Fault(kind=kind, batch_index=int(e.batch[i]), request_row=int(e.row[i]),
@@ -310,6 +314,7 @@ class FaultInjector:
         fields[slot, field] = fields[slot, field] ^ by if xor else fields[slot, field] + by
 
     def zero(self, slot: int) -> None:
+        """Zero a slot's canary record and real KV (a write that never happened)."""
         s, ps = self.s, self.s.config.page_size
         s.canary[slot] = 0
         for tensor in s.sources:
