@@ -9,8 +9,8 @@ import inspect
 
 import pytest
 
-from kvcanary.campaign import LAYOUTS, designed
-from kvcanary.campaign.layouts import HIGH, LOW, scopes
+from kvcanary.campaign import HIGH, LAYOUTS, LOW, designed
+from kvcanary.campaign.layouts import scopes
 from kvcanary.synth import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, KINDS, MODES,
                             PAGED_FAULT_DESCRIPTIONS, PAGED_FAULT_KINDS, FaultKind,
                             SynthConfig, inapplicable_kinds, site_bits)
