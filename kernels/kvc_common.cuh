@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers shared by every kernel: qualifiers, SplitMix64, the chain link, canary record
 // access and the violation-ring append. Mirrors kvcanary/hashing.py and
 // kvcanary/reference/ring.py; no source-count bound here (see kvc_realkv.cuh).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Constants of the canary format, shared by every kernel.
 // kvcanary/consts.py holds the same values; tests/test_const_sync.py keeps them equal.
 #pragma once

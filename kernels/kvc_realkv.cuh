@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Real-KV fingerprint (docs/format.md §5), the same rules as kvcanary/reference/realkv.py:
 //   fold_source(src, s)  fold each 8-byte little-endian word of the slot's bytes
 //   real_kv_hash(s)      fold the per-source results in source order

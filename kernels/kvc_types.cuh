@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Fixed-width integer types for NVRTC (which ships no <cstdint>) and for host compilers.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Verify (docs/format.md §9): re-read each planned prefix slot and check its record.
 // Same rules as kvcanary/reference/verify.py, one entry per loop iteration:
 //   expected_chain   H0 for a chain head (prev < 0), link(prev record) for a reachable
@@ -97,18 +98,17 @@ extern "C" __global__ void kvc_verify(
                                  verify_expected_positions, verify_prev_slot_indices,
                                  verify_num_valid, enable, verify_capacity};
   const kvc::Ring ring{violation_ring, ring_capacity, violation_write_index};
-  using namespace kvc;
-  const int64_t tid = global_thread();
+  const int64_t tid = kvc::global_thread();
   // Exactly once per launch, before anything else (the health watchdog counts it).
-  if (tid == 0) add_counter(kernel_run_counter, 1);
+  if (tid == 0) kvc::add_counter(kernel_run_counter, 1);
   if (plan.enable[0] == 0) return;  // plan overflow: the launch is skipped
   int64_t active = plan.num_valid[0];
   if (active > plan.capacity) active = plan.capacity;
   if (active <= 0) return;
   // Every active entry counts, slot-0 ones included: add the total once.
-  if (tid == 0) add_counter(slot_run_counter, active);
-  const int64_t stride = grid_threads();
+  if (tid == 0) kvc::add_counter(slot_run_counter, active);
+  const int64_t stride = kvc::grid_threads();
   for (int64_t e = tid; e < active; e += stride) {
-    verify_entry(canary_buf, slot_stride_bytes, num_slots, plan, e, kernel_kind, ring, sources);
+    kvc::verify_entry(canary_buf, slot_stride_bytes, num_slots, plan, e, kernel_kind, ring, sources);
   }
 }

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Write (docs/format.md §8): stamp each new token's record and advance its request's chain.
 // Same rules as kvcanary/reference/write.py, one thread per request (the chain is serial):
 //   seed link      H0 without a seed (seed < 0), else link(seed record)
@@ -163,6 +164,35 @@ KVC_DEVICE int64_t write_request(uint8_t* canary_buf, int64_t stride, int64_t nu
   return written;
 }
 
+// kvc_write's parameters, passed as one __grid_constant__ struct (the host packs it as
+// kvcanary/backends/cuda/write_args.py's WRITE_ARGS_FIELDS; tests/kernels check the two agree).
+struct WriteArgs {
+  uint8_t* canary_buf;
+  int64_t num_slots;
+  int64_t slot_stride_bytes;
+  const int64_t* write_offsets;
+  const int64_t* write_seed_slot_indices;
+  const int32_t* write_num_valid_reqs;
+  int64_t write_req_capacity;
+  const int64_t* input_ids;
+  const int64_t* positions;
+  const int64_t* out_cache_loc;
+  int64_t num_tokens;
+  const int64_t* expected_input_tokens;     // null: input assert off
+  const int64_t* expected_input_positions;  // null together with the tokens
+  int64_t kernel_kind;
+  int64_t* violation_ring;
+  int64_t ring_capacity;
+  int32_t* violation_write_index;
+  int64_t* slot_run_counter;
+  int64_t* kernel_run_counter;
+  const int32_t* enable_chain_position_assert;
+  int32_t report_conflicts;
+  const int64_t* seed_links;
+  const int64_t* seed_positions;
+  RealKvSources sources;
+};
+
 }  // namespace kvc
 
 extern "C" __global__ void kvc_write_seeds(
@@ -171,23 +201,23 @@ extern "C" __global__ void kvc_write_seeds(
     const int32_t* __restrict__ write_num_valid_reqs, int64_t write_req_capacity,
     const int64_t* __restrict__ out_cache_loc, int64_t num_tokens,
     int64_t* __restrict__ seed_links, int64_t* __restrict__ seed_positions) {
-  using namespace kvc;
-  const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
-                     num_tokens};
-  const int64_t r = global_thread();
+  const kvc::WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
+                          num_tokens};
+  const int64_t r = kvc::global_thread();
   int64_t start, end;
-  if (!request_span(b, r, &start, &end) || !span_inside(b, start, end)) return;
+  if (!kvc::request_span(b, r, &start, &end) || !kvc::span_inside(b, start, end)) return;
   const int64_t seed = write_seed_slot_indices[r];
-  if (slot_in_range(seed, num_slots)) {
+  if (kvc::slot_in_range(seed, num_slots)) {
     // The link needs token, position and prev_hash; the real_kv_hash field may be another
     // request's claim word by now and is not read.
-    const int64_t* f = record_fields(canary_buf, slot_stride_bytes, seed);
-    Record s{f[kCanaryFieldToken], f[kCanaryFieldPosition], f[kCanaryFieldPrevHash], 0};
-    seed_links[r] = static_cast<int64_t>(link(s));
+    const int64_t* f = kvc::record_fields(canary_buf, slot_stride_bytes, seed);
+    const kvc::Record s{f[kvc::kCanaryFieldToken], f[kvc::kCanaryFieldPosition],
+                        f[kvc::kCanaryFieldPrevHash], 0};
+    seed_links[r] = static_cast<int64_t>(kvc::link(s));
     seed_positions[r] = s.position;
   }
-  for_each_write(b, num_slots, r, [&](int64_t, int64_t slot) {
-    *claim_word(canary_buf, slot_stride_bytes, slot) = 0;
+  kvc::for_each_write(b, num_slots, r, [&](int64_t, int64_t slot) {
+    *kvc::claim_word(canary_buf, slot_stride_bytes, slot) = 0;
   });
 }
 
@@ -195,51 +225,39 @@ extern "C" __global__ void kvc_write_claims(
     uint8_t* __restrict__ canary_buf, int64_t num_slots, int64_t slot_stride_bytes,
     const int64_t* __restrict__ write_offsets, const int32_t* __restrict__ write_num_valid_reqs,
     int64_t write_req_capacity, const int64_t* __restrict__ out_cache_loc, int64_t num_tokens) {
-  using namespace kvc;
-  const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
-                     num_tokens};
-  const int64_t r = global_thread();
-  for_each_write(b, num_slots, r, [&](int64_t i, int64_t slot) {
-    int64_t* claim = claim_word(canary_buf, slot_stride_bytes, slot);
-    atomicMax(reinterpret_cast<unsigned long long*>(claim), write_id(b, r, i));
+  const kvc::WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
+                          num_tokens};
+  const int64_t r = kvc::global_thread();
+  kvc::for_each_write(b, num_slots, r, [&](int64_t i, int64_t slot) {
+    int64_t* claim = kvc::claim_word(canary_buf, slot_stride_bytes, slot);
+    atomicMax(reinterpret_cast<unsigned long long*>(claim), kvc::write_id(b, r, i));
   });
 }
 
-extern "C" __global__ void kvc_write(
-    uint8_t* __restrict__ canary_buf, int64_t num_slots, int64_t slot_stride_bytes,
-    const int64_t* __restrict__ write_offsets, const int64_t* __restrict__ write_seed_slot_indices,
-    const int32_t* __restrict__ write_num_valid_reqs, int64_t write_req_capacity,
-    const int64_t* __restrict__ input_ids, const int64_t* __restrict__ positions,
-    const int64_t* __restrict__ out_cache_loc, int64_t num_tokens,
-    const int64_t* __restrict__ expected_input_tokens,
-    const int64_t* __restrict__ expected_input_positions, int64_t kernel_kind,
-    int64_t* __restrict__ violation_ring, int64_t ring_capacity, int32_t* violation_write_index,
-    int64_t* __restrict__ slot_run_counter, int64_t* __restrict__ kernel_run_counter,
-    const int32_t* __restrict__ enable_chain_position_assert, int32_t report_conflicts,
-    const int64_t* __restrict__ seed_links, const int64_t* __restrict__ seed_positions,
-    kvc::RealKvSources sources) {
-  using namespace kvc;
-  const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
-                     num_tokens};
-  const int64_t r = global_thread();
-  if (r == 0) add_counter(kernel_run_counter, 1);  // every launch, even an empty one
+extern "C" __global__ void kvc_write(const __grid_constant__ kvc::WriteArgs args) {
+  const kvc::WriteBatch b{args.write_offsets, args.write_num_valid_reqs, args.write_req_capacity,
+                          args.out_cache_loc, args.num_tokens};
+  const int64_t r = kvc::global_thread();
+  if (r == 0) kvc::add_counter(args.kernel_run_counter, 1);  // every launch, even an empty one
   int64_t start, end;
-  if (!request_span(b, r, &start, &end)) return;  // no entries: no counter contribution
-  const Ring ring{violation_ring, ring_capacity, violation_write_index};
-  if (!span_inside(b, start, end)) {  // the request's range leaves the token arrays
-    append_violation(ring, kernel_kind, -1, 0, 0, 0, 0, start < 0 ? start : end,
-                     bit(FailReason::kSlotOutOfRange));
+  if (!kvc::request_span(b, r, &start, &end)) return;  // no entries: no counter contribution
+  const kvc::Ring ring{args.violation_ring, args.ring_capacity, args.violation_write_index};
+  if (!kvc::span_inside(b, start, end)) {  // the request's range leaves the token arrays
+    kvc::append_violation(ring, args.kernel_kind, -1, 0, 0, 0, 0, start < 0 ? start : end,
+                          kvc::bit(kvc::FailReason::kSlotOutOfRange));
     return;
   }
-  const int64_t seed_slot = write_seed_slot_indices[r];
-  const bool seeded = slot_in_range(seed_slot, num_slots);
-  const Seed seed{seed_slot, seeded ? seed_links[r] : 0, seeded ? seed_positions[r] : 0};
-  const WriteInputs in{input_ids, positions, expected_input_tokens, expected_input_positions};
-  const int64_t written =
-      write_request(canary_buf, slot_stride_bytes, num_slots, b, r, start, end, seed, in,
-                    enable_chain_position_assert[0] != 0, report_conflicts != 0, sources,
-                    kernel_kind, ring);
-  if (written != 0) add_counter(slot_run_counter, written);
+  const int64_t seed_slot = args.write_seed_slot_indices[r];
+  const bool seeded = kvc::slot_in_range(seed_slot, args.num_slots);
+  const kvc::Seed seed{seed_slot, seeded ? args.seed_links[r] : 0,
+                       seeded ? args.seed_positions[r] : 0};
+  const kvc::WriteInputs in{args.input_ids, args.positions, args.expected_input_tokens,
+                            args.expected_input_positions};
+  const int64_t written = kvc::write_request(
+      args.canary_buf, args.slot_stride_bytes, args.num_slots, b, r, start, end, seed, in,
+      args.enable_chain_position_assert[0] != 0, args.report_conflicts != 0, args.sources,
+      args.kernel_kind, ring);
+  if (written != 0) kvc::add_counter(args.slot_run_counter, written);
 }
 
 extern "C" __global__ void kvc_write_real_kv(
@@ -247,11 +265,10 @@ extern "C" __global__ void kvc_write_real_kv(
     const int64_t* __restrict__ write_offsets, const int32_t* __restrict__ write_num_valid_reqs,
     int64_t write_req_capacity, const int64_t* __restrict__ out_cache_loc, int64_t num_tokens,
     kvc::RealKvSources sources) {
-  using namespace kvc;
-  const WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
-                     num_tokens};
-  for_each_write(b, num_slots, global_thread(), [&](int64_t, int64_t slot) {
-    *claim_word(canary_buf, slot_stride_bytes, slot) =
-        static_cast<int64_t>(real_kv_hash(sources, slot));
+  const kvc::WriteBatch b{write_offsets, write_num_valid_reqs, write_req_capacity, out_cache_loc,
+                          num_tokens};
+  kvc::for_each_write(b, num_slots, kvc::global_thread(), [&](int64_t, int64_t slot) {
+    *kvc::claim_word(canary_buf, slot_stride_bytes, slot) =
+        static_cast<int64_t>(kvc::real_kv_hash(sources, slot));
   });
 }

@@ -31,8 +31,9 @@ The parts: :mod:`.layouts` (what a table form changes), :mod:`.runner` (the phas
 worker pool), :mod:`.model` (cells and the report), :mod:`.render` (text, markdown, JSON).
 """
 
-from .layouts import (HIGH, LAYOUTS, LOW, PAGED, PER_TOKEN, RULES, Layout, audit_command,
-                      designed, synth_command)
+from ..synth.fault_sites import HIGH, LOW
+from .layouts import (LAYOUTS, PAGED, PER_TOKEN, RULES, Layout, audit_command, designed,
+                      synth_command)
 from .model import CampaignError, CampaignReport, Cell
 from .render import render
 from .runner import (DEFAULT_CLEAN_RUNS, DEFAULT_FAULTS_PER_KIND, FAULT_PHASE, resolve_backends,

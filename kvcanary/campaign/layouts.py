@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..format.consts import REAL_KV_PARTIAL_READ_BYTES
 from ..synth import MODES, TARGET_CLASSES, fault_kinds
-from ..synth.fault_kinds import BLOCK_KINDS, PAIR_KINDS, PAIR_SHAPES, PAIRS_NOT_UNION, kind_targets
+from ..synth.fault_kinds import (BLOCK, KINDS, PAIR_KINDS, PAIR_SHAPES, PAIRS_NOT_UNION,
+                                 kind_targets)
+from ..synth.fault_sites import HIGH, LOW
 
 RULES = ("kvcanary", "compat")
 RULE_WORDS = {"kvcanary": "kvcanary rules (default audit)",
               "compat": "--compat (upstream's rules only)"}
 BYTES_PER_TOKEN = (16, 32, 64)
-LOW, HIGH = f"byte < {REAL_KV_PARTIAL_READ_BYTES}", f"byte >= {REAL_KV_PARTIAL_READ_BYTES}"
 
 # Every per-token fault run ends with one injection of interacting pairs: this many kind
 # pairs per shape, this many pairs of each.
@@ -31,39 +31,19 @@ PAIR_COMBOS = [(a, b) for a in PAIR_KINDS for b in PAIR_KINDS if (a, b) not in P
 
 
 def scopes(kind: str, mode: str) -> tuple:
-    """The table rows one (kind, mode) splits into: real-kv-byte in partial mode at the bytes
-    partial mode hashes."""
-    return (LOW, HIGH) if (kind, mode) == ("real-kv-byte", "partial") else ("",)
+    """The table rows one (kind, mode) splits into (:meth:`~kvcanary.synth.FaultKind.scopes`:
+    real-kv-byte in partial mode at the bytes partial mode hashes)."""
+    return KINDS[kind].scopes(mode)
 
 
 def fault_scope(kind: str, mode: str, detail: int) -> str:
-    if (kind, mode) == ("real-kv-byte", "partial"):
-        return LOW if detail < REAL_KV_PARTIAL_READ_BYTES else HIGH
-    return ""
+    return KINDS[kind].scope_of(mode, detail)
 
 
 def designed(kind: str, mode: str, scope: str, rules: str, target: str = "interior"):
-    """``(True, "")`` where the canary is designed to see the fault, else ``(False, why)``."""
-    if target == "window-head" and kind == "prev-hash":
-        return False, ("the predecessor's SWA slot is already freed, so verify cannot read "
-                       "it and the chain check at a window head is vacuous by design")
-    if target == "cached" and kind == "token":
-        return False, ("sweep entries carry no expected token (the prefix cache keeps no "
-                       "token pool); a changed token shows only as its successor's broken "
-                       "chain link")
-    if target == "cached" and kind == "slot-zero":
-        return False, ("verify skips slot 0 as unfilled, and SLOT_ZERO_IN_PREFIX checks live "
-                       "requests' tables only, not the prefix cache's blocks")
-    if kind == "real-kv-byte" and mode == "none":
-        return False, ("mode none does not hash real KV: the record's real-KV field is 0 and "
-                       "the bytes are never read")
-    if kind == "real-kv-byte" and scope == HIGH:
-        return False, (f"partial mode hashes only the first {REAL_KV_PARTIAL_READ_BYTES} bytes "
-                       "of each slot's real KV per source")
-    if kind == "slot-zero" and rules == "compat":
-        return False, ("upstream's verify skips slot 0 as an unfilled slot; only kvcanary's "
-                       "SLOT_ZERO_IN_PREFIX audit extension sees it, and --compat turns it off")
-    return True, ""
+    """``(True, "")`` where the canary is designed to see the fault, else ``(False, why)``:
+    the kind's blind spots (:meth:`~kvcanary.synth.FaultKind.designed`)."""
+    return KINDS[kind].designed(mode, scope, rules, target)
 
 
 @dataclass(frozen=True)
@@ -136,13 +116,15 @@ class Layout:
         """Injections of a kind per run. The k-th real-kv-byte fault of an injection lands in
         16-byte window k of the slot (modulo its size); partial mode, whose table splits at
         16 bytes, gets two injections (classes filled in reverse order in the second)."""
-        return 2 if (kind, mode) == ("real-kv-byte", "partial") else 1
+        return len(scopes(kind, mode))
 
     def expected_yield(self, target: str, kind: str, mode: str, scope: str,
                        sources_share: float = 0.8) -> float:
         """Expected faults per run of a cell, to size a round."""
-        n = (self.block_yield if kind in BLOCK_KINDS and self.paged else self.class_yield)[target]
-        if kind == "real-kv-byte":
+        spec = KINDS[kind]
+        n = (self.block_yield if spec.footprint == BLOCK and self.paged
+             else self.class_yield)[target]
+        if spec.needs_sources:
             n *= sources_share * self.injections(kind, mode)
             if scope == LOW:
                 n *= 0.55
@@ -155,7 +137,7 @@ class Layout:
         the (class, kind) pairs that need more than ``i`` runs."""
         plan = []
         for k in self.kinds:
-            if k == "real-kv-byte" and config["sources"] == 0:
+            if KINDS[k].needs_sources and config["sources"] == 0:
                 continue
             targets = [(k, self.per_injection[t], t) for t in self.fill_order
                        if need.get((t, k), 0) > i]

@@ -12,7 +12,9 @@ The parts of a serving engine, one module each:
 * ``scheduler``: admission, chunked prefill, decode, finish.
 * ``kv_pool``: the canary records and real KV a step writes, and the canary launches of a
   step (plan, periodic verify, TAIL write); a violation in the honest run raises.
-* ``fault_kinds``: what a fault is (kinds, target classes, the bits each fires, its sites).
+* ``fault_kinds``: the fault kinds, one registered ``FaultKind`` each (description, bits,
+  footprint, its change, when the canary can and cannot see it); ``fault_changes``: how each
+  kind changes the state; ``fault_sites``: target classes and what a placed fault records.
 * ``inject_spec``: the ``--inject`` grammar (``KIND[:COUNT][@CLASS]``) read and checked.
 * ``faults``: fault injection into the final state, at target classes (request heads, last
   tokens, window heads, chunk boundaries, shared and cached prefix blocks, the interior).
@@ -27,16 +29,17 @@ launch on the CUDA kernels (the library moves the arrays per launch, so keep suc
 
 from .config import MAX_SEED, MODES, SOURCE_DTYPES, Stats, SynthConfig, SynthError
 from .engine import Synthesis, synthesize
-from .fault_kinds import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS,
-                          PAGED_FAULT_DESCRIPTIONS, PAGED_FAULT_KINDS, TARGET_CLASSES,
-                          TARGET_DESCRIPTIONS, Fault, Site, fault_kinds, site_bits)
+from .fault_kinds import (EXPECTED_BITS, FAULT_DESCRIPTIONS, FAULT_KINDS, KINDS,
+                          PAGED_FAULT_DESCRIPTIONS, PAGED_FAULT_KINDS, FaultKind, fault_kinds,
+                          site_bits)
+from .fault_sites import TARGET_CLASSES, TARGET_DESCRIPTIONS, Fault, Site
 from .inject_spec import inapplicable_kinds, parse_inject
 from .scoring import FaultOutcome, fault_note, faults_from_dump, score
 
 __all__ = [
-    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "MAX_SEED", "MODES",
+    "EXPECTED_BITS", "FAULT_DESCRIPTIONS", "FAULT_KINDS", "KINDS", "MAX_SEED", "MODES",
     "PAGED_FAULT_DESCRIPTIONS", "PAGED_FAULT_KINDS", "SOURCE_DTYPES", "TARGET_CLASSES",
-    "TARGET_DESCRIPTIONS", "Fault", "FaultOutcome", "Site", "Stats", "SynthConfig", "SynthError",
-    "Synthesis", "fault_kinds", "fault_note", "faults_from_dump", "inapplicable_kinds",
+    "TARGET_DESCRIPTIONS", "Fault", "FaultKind", "FaultOutcome", "Site", "Stats", "SynthConfig",
+    "SynthError", "Synthesis", "fault_kinds", "fault_note", "faults_from_dump", "inapplicable_kinds",
     "parse_inject", "score", "site_bits", "synthesize",
 ]

@@ -8,7 +8,8 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .fault_kinds import PAIR_SHAPES, SWEEP, TARGET_CLASSES, fault_kinds
+from .fault_kinds import PAIR_SHAPES, fault_kinds
+from .fault_sites import SWEEP, TARGET_CLASSES
 from .prefix_cache import SweepIndex
 
 

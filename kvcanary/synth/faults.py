@@ -21,9 +21,8 @@ import numpy as np
 from ..api import launches as api
 from ..model.types import WritePlan
 from .config import SynthError
-from .fault_kinds import (BLOCK_KINDS, DEFAULT_TARGET, PAIR_SHAPES, REQUEST, SWEEP, Fault, Site,
-                          check_kind_target, real_kv_byte_note, real_kv_byte_visible,
-                          site_bits)
+from .fault_kinds import BLOCK, KINDS, PAIR_SHAPES, check_kind_target
+from .fault_sites import DEFAULT_TARGET, REQUEST, SWEEP, Fault, Site
 from .prefix_cache import SweepIndex
 
 
@@ -42,7 +41,9 @@ class _Entries:
 
 
 class FaultInjector:
-    """Changes a :class:`~kvcanary.synth.Synthesis`'s final state, one fault at a time."""
+    """Changes a :class:`~kvcanary.synth.Synthesis`'s final state, one fault at a time: each
+    kind's change (:mod:`.fault_changes`) at an entry picked here, through the public
+    methods below (pick and take entries, change records and tables, record sites)."""
 
     def __init__(self, synthesis):
         self.s = synthesis
@@ -70,8 +71,8 @@ class FaultInjector:
         check_kind_target(kind, target, self.paged)
         if count < 1:
             raise SynthError(f"--inject {kind}: COUNT must be at least 1, got {count}")
-        if kind == "real-kv-byte" and not s.sources:
-            raise SynthError("--inject real-kv-byte needs at least one real-KV source "
+        if kind in KINDS and KINDS[kind].needs_sources and not s.sources:
+            raise SynthError(f"--inject {kind} needs at least one real-KV source "
                              "(--sources >= 1)")
         made = []
         try:
@@ -160,73 +161,60 @@ class FaultInjector:
     # ------------------------------------------------------------------ picking
 
     def _pick_for(self, kind: str, target: str) -> int:
-        """A lost write prefers a slot its first occupant wrote (a real never-written slot); a
-        paged block fault a unit none of whose slots is taken (and, evicted-block, one of a
-        cached block live requests map)."""
-        e = self.entries()
-        if kind == "lost-write":
+        """An entry of class ``target`` for a fault of ``kind``: one the kind prefers if any
+        is left (a lost write: a slot its first occupant wrote); on a paged engine, for a
+        block footprint, one whose unit has no taken slot (and that the kind requires)."""
+        spec = KINDS[kind]
+        if spec.prefer is not None:
             try:
-                return self._pick(target, self.s.pool.write_count[e.slot] == 1)
+                return self.pick(target, spec.prefer(self))
             except _NoTarget:
                 pass
-        if self.paged and kind in BLOCK_KINDS:
+        if self.paged and spec.footprint == BLOCK:
             where = self._free_units()
-            if kind == "evicted-block":
-                where &= self._evictable()
-            return self._pick(target, where)
-        return self._pick(target)
+            if spec.only is not None:
+                where &= spec.only(self)
+            return self.pick(target, where)
+        return self.pick(target)
 
     def _free_units(self, whole: bool = False) -> np.ndarray:
         """Entries whose unit has no taken slot; ``whole``: and every slot of it written and
         readable (a unit another entry is pointed at). A no-op per token (the unit is the
-        entry's own slot, which ``_pick`` checks)."""
+        entry's own slot, which ``pick`` checks)."""
         u = self.entries().unit_slots
         written = u > 0
         free = ~(self.blocked[np.maximum(u, 0)] & written).any(axis=1)
         return free & written.all(axis=1) if whole else free
 
-    def _evictable(self) -> np.ndarray:
-        """Entries of cached blocks live requests map whose subtree holds no taken slot (an
-        earlier fault's sweep sites would vanish with it)."""
-        s, e = self.s, self.entries()
-        ok = np.zeros(e.slot.shape, dtype=bool)
-        seen = {}
-        for i in np.flatnonzero(e.masks["mapped-cached"]).tolist():
-            block = self._mapped_block(i)
-            if id(block) not in seen:
-                gone = self._subtree_slots(block) if s.cache.blocks.get(block.key) is block \
-                    else None
-                seen[id(block)] = gone is not None and not self.blocked[gone[gone > 0]].any()
-            ok[i] = seen[id(block)]
-        return ok
-
-    def _mapped_block(self, i: int):
+    def mapped_block(self, i: int):
+        """The prefix-cache block live entry ``i`` reads through."""
         e = self.entries()
         return self.s.running[int(e.batch[i])].blocks[int(e.position[i]) // self.bs]
 
-    def _subtree_slots(self, block) -> np.ndarray:
+    def subtree_slots(self, block) -> np.ndarray:
+        """Canary slots of ``block`` and every cached block below it."""
         below = [b.slots for b in self.s.cache.subtree(block)]
         return self.s.allocator.canary_slots(np.concatenate(below).astype(np.int64))
 
     def _apply(self, kind: str, target: str, i: int) -> Fault:
-        return getattr(self, "_apply_" + kind.replace("-", "_"))(target, i)
+        return KINDS[kind].apply(self, target, i)
 
     def _place_pair(self, kinds: str, shape: str) -> list:
         """Two interacting faults (see ``PAIR_SHAPES``): both entries are picked before
         either fault is placed, so the second may neighbour the first."""
         e = self.entries()
-        i = self._pick(shape)
+        i = self.pick(shape)
         row_mates = (e.batch == e.batch[i]) & (e.slot != e.slot[i]) & (e.prev != 0)
         if shape == "shared-block":
             block = self.s.config.block_tokens
-            j = self._pick("shared-block", row_mates
-                           & (e.position // block == e.position[i] // block))
+            j = self.pick("shared-block", row_mates
+                          & (e.position // block == e.position[i] // block))
         else:
-            j = self._pick(None, row_mates & (e.position == e.position[i] + 1))
+            j = self.pick(None, row_mates & (e.position == e.position[i] + 1))
         first, _, second = kinds.partition("+")
         return [self._apply(first, shape, i), self._apply(second, shape, j)]
 
-    def _pick(self, target, where=None) -> int:
+    def pick(self, target, where=None) -> int:
         """Index of a random free entry of class ``target`` (any when None) and ``where``;
         raises _NoTarget."""
         e = self.entries()
@@ -239,7 +227,7 @@ class FaultInjector:
             raise _NoTarget
         return int(candidates[int(self.s.rng.integers(candidates.size))])
 
-    def _take(self, *slots) -> None:
+    def take(self, *slots) -> None:
         """Block slots and their chain neighbours for later targets."""
         e = self.entries()
         for slot in slots:
@@ -257,24 +245,26 @@ class FaultInjector:
         e = self.entries()
         entry = REQUEST if e.entry[i] == 0 else SWEEP
         return Site(entry=entry, request_row=int(e.row[i]), position=int(e.position[i]),
-                    slot=int(reads), bits=site_bits(kind, entry, int(e.position[i]),
-                                                   int(e.prev[i]), real_kv_visible))
+                    slot=int(reads), bits=KINDS[kind].site_bits(entry, int(e.position[i]),
+                                                             int(e.prev[i]), real_kv_visible))
 
-    def _unit_sites(self, kind: str, i: int, reads) -> tuple:
+    def unit_sites(self, kind: str, i: int, reads, keep_zero: bool = False) -> tuple:
         """The entries of ``i``'s unit, each now reading ``reads`` (a slot, or the canary
         slots of a unit by offset; no site where that is unwritten or a freed SWA slot)."""
         e = self.entries()
         reads = np.broadcast_to(reads, (self.bs,))
-        least = 0 if kind == "slot-zero" else 1
+        least = 0 if keep_zero else 1
         return tuple(self._site(kind, u, int(reads[e.position[u] % self.bs]))
                      for u in np.flatnonzero(e.unit == e.unit[i]).tolist()
                      if reads[e.position[u] % self.bs] >= least)
 
-    def _unit_taken(self, i: int) -> list:
+    def unit_taken(self, i: int) -> list:
+        """The written canary slots of entry ``i``'s unit (its slot, or its paged block)."""
         u = self.entries().unit_slots[i]
         return [int(x) for x in u if x > 0]
 
-    def _fault(self, kind, target, i, sites, *, detail=-1, note="") -> Fault:
+    def make_fault(self, kind, target, i, sites, *, detail=-1, note="") -> Fault:
+        """The :class:`Fault` placed at entry ``i``: its bits the union of its sites'."""
         e = self.entries()
         expected = functools.reduce(operator.or_, (site.bits for site in sites), 0)
         return Fault(kind=kind, batch_index=int(e.batch[i]), request_row=int(e.row[i]),
@@ -282,7 +272,7 @@ class FaultInjector:
                      visible=expected != 0, detail=detail, note=note, target=target,
                      sites=sites)
 
-    def _set_table(self, i: int, full_slot: int) -> None:
+    def set_table(self, i: int, full_slot: int) -> None:
         """Point entry ``i``'s table entry (a request row's, or a cached block's) at
         ``full_slot``: on a paged engine the block holding it."""
         e, bs = self.entries(), self.bs
@@ -305,73 +295,32 @@ class FaultInjector:
         """``(cached block, index in it)`` of sweep entry ``i``."""
         return self._sweep.owner(i - int(np.count_nonzero(self.entries().entry == 0)))
 
-    # ------------------------------------------------------------------ record faults
+    # ------------------------------------------------------------------ changing records
 
-    def _record_fault(self, kind, target, i, change, *, detail=-1, note="",
-                      real_kv_visible=False):
+    def record_fault(self, kind, target, i, change, *, detail=-1, note="",
+                     real_kv_visible=False):
+        """Change the record of entry ``i``'s slot with ``change(slot)``; the fault, at every
+        entry that reads it."""
         slot = int(self.entries().slot[i])
         change(slot)
-        self._take(slot)
-        return self._fault(kind, target, i, self._record_sites(kind, slot, real_kv_visible),
-                           detail=detail, note=note)
+        self.take(slot)
+        return self.make_fault(kind, target, i,
+                               self._record_sites(kind, slot, real_kv_visible),
+                               detail=detail, note=note)
 
-    def _apply_token(self, target, i):
-        return self._record_fault("token", target, i, lambda slot: self._bump(slot, 0, 1))
-
-    def _apply_position(self, target, i):
-        return self._record_fault("position", target, i, lambda slot: self._bump(slot, 1, 1))
-
-    def _apply_prev_hash(self, target, i):
-        bit = int(self.s.rng.integers(64))
-        flip = np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
-        return self._record_fault("prev-hash", target, i,
-                                  lambda slot: self._bump(slot, 2, flip, xor=True), detail=bit)
-
-    def _bump(self, slot: int, field: int, by, xor: bool = False) -> None:
+    def bump(self, slot: int, field: int, by, xor: bool = False) -> None:
         """Change a record's int64 field (token, position, chain link, real-KV hash)."""
         fields = self.s.canary.view("<i8")[:, :4]
         fields[slot, field] = fields[slot, field] ^ by if xor else fields[slot, field] + by
 
-    def _apply_real_kv_byte(self, target, i):
-        s, c = self.s, self.s.config
-        k = self.real_kv_faults
-        self.real_kv_faults += 1
-        source = k % len(s.sources)
-        offset = (k * 16 + int(s.rng.integers(16))) % c.bytes_per_token
-        flip = np.uint8(1 << int(s.rng.integers(8)))
-        view = s.pool.slot_bytes(s.sources[source])
-
-        def change(slot):
-            view[slot // c.page_size, slot % c.page_size, offset] ^= flip
-        return self._record_fault("real-kv-byte", target, i, change, detail=offset,
-                                  note=real_kv_byte_note(c.hash_mode, offset)
-                                  + f" (source {source})",
-                                  real_kv_visible=real_kv_byte_visible(c.hash_mode, offset))
-
-    def _apply_lost_write(self, target, i):
-        s = self.s
-        slot = int(self.entries().slot[i])
-        note = ("slot never written (first occupant)" if s.pool.write_count[slot] == 1 else
-                "slot had an earlier occupant; left zeroed")
-        return self._record_fault("lost-write", target, i, self._zero, note=note)
-
-    def _zero(self, slot: int) -> None:
+    def zero(self, slot: int) -> None:
+        """Zero a slot's canary record and real KV (a write that never happened)."""
         s, ps = self.s, self.s.config.page_size
         s.canary[slot] = 0
         for tensor in s.sources:
             s.pool.slot_bytes(tensor)[slot // ps, slot % ps] = 0
 
-    def _apply_stale_reuse(self, target, i):
-        """The slot (paged: every written slot of the block) reallocated and rewritten as
-        another sequence's, from a position past the unit's end."""
-        s, e = self.s, self.entries()
-        high = (int(e.position[i]) // self.bs + 1) * self.bs
-        new_position = high + int(s.rng.integers(1, 64))
-        sites = self._rewrite("stale-reuse", self._unit_taken(i), new_position)
-        return self._fault("stale-reuse", target, i, sites, detail=new_position,
-                           note=f"rewritten as position {new_position} of another sequence")
-
-    def _rewrite(self, kind: str, slots: list, first_position: int) -> tuple:
+    def rewrite(self, kind: str, slots: list, first_position: int) -> tuple:
         """Queue ``slots`` to be rewritten as another sequence's from ``first_position``
         (:meth:`_write_rewrites`); the sites of every entry reading them."""
         s = self.s
@@ -381,26 +330,8 @@ class FaultInjector:
         s.pool.write_kv(index, tokens, positions)
         s.pool.write_count[index] += 1
         self._rewrites += zip(slots, tokens.tolist(), positions.tolist())
-        self._take(*slots)
+        self.take(*slots)
         return tuple(site for x in slots for site in self._record_sites(kind, x))
-
-    def _apply_evicted_block(self, target, i):
-        """A cached block that live requests map evicted (as if its reference count had
-        dropped to 0) with the cached blocks below it, reallocated and rewritten: every live
-        entry that maps it reads another sequence's records; its sweep entries are gone."""
-        s = self.s
-        block = self._mapped_block(i)
-        gone = self._subtree_slots(block)
-        s.cache.drop_subtree(block)
-        new_position = (block.depth + 1) * self.bs + int(s.rng.integers(1, 64))
-        sites = self._rewrite("evicted-block", self._unit_taken(i), new_position)
-        self._take(*gone[gone > 0].tolist())
-        return self._fault("evicted-block", target, i,
-                           tuple(site for site in sites if site.entry == REQUEST),
-                           detail=new_position,
-                           note=f"cached block at positions {block.depth * self.bs}.."
-                                f"{(block.depth + 1) * self.bs - 1} evicted while live "
-                                f"requests map it; rewritten from position {new_position}")
 
     def _write_rewrites(self) -> None:
         """Write the pending rewritten records in one launch: each its own one-token
@@ -417,9 +348,9 @@ class FaultInjector:
         api.write(self.s.pool.context, plan, input_ids=tokens, positions=positions,
                   out_cache_loc=slots, backend=self.s.config.backend)
 
-    # ------------------------------------------------------------------ table faults
+    # ------------------------------------------------------------------ changing tables
 
-    def _aligned_units(self, i: int):
+    def aligned_units(self, i: int):
         """Entries another unit of which ``i``'s table entry can point at: per token any; on
         a paged engine those at ``i``'s offset in a whole, free block."""
         e = self.entries()
@@ -427,44 +358,14 @@ class FaultInjector:
             return True
         return (e.position % self.bs == e.position[i] % self.bs) & self._free_units(whole=True)
 
-    def _remap(self, kind: str, pairs: list) -> tuple:
+    def remap(self, kind: str, pairs: list) -> tuple:
         """Point the table entry of each ``(i, j)``'s ``i`` at what ``j``'s read before any
         changed, taking both units; the sites of every entry of the remapped units."""
         e = self.entries()
         for i, slot in [(i, self._table_slot(j)) for i, j in pairs]:
-            self._set_table(i, slot)
-        self._take(*(x for pair in pairs for k in pair for x in self._unit_taken(k)))
-        return sum((self._unit_sites(kind, i, e.unit_slots[j]) for i, j in pairs), ())
-
-    def _apply_alias(self, target, i):
-        e = self.entries()
-        other = self._pick("interior", (e.batch != e.batch[i]) & (e.slot != e.slot[i])
-                           & (e.position // self.bs != e.position[i] // self.bs)
-                           & self._aligned_units(i))
-        sites = self._remap("alias", [(i, other)])
-        into = int(e.slot[other])
-        return self._fault("alias", target, i, sites, detail=into,
-                           note=f"now maps slot {into} (request row {int(e.row[other])}, "
-                                f"position {int(e.position[other])})")
-
-    def _apply_swap(self, target, i):
-        e = self.entries()
-        same = ((e.entry == e.entry[i]) & (e.slot != e.slot[i]) & self._aligned_units(i)
-                & (np.abs(e.position // self.bs - e.position[i] // self.bs) > 1))
-        if e.entry[i] == 0:
-            j = self._pick("interior", same & (e.batch == e.batch[i]))
-        else:
-            j = self._pick("cached", same)
-        return self._fault("swap", target, i, self._remap("swap", [(i, j), (j, i)]),
-                           detail=int(e.position[j]),
-                           note=f"exchanged with position {int(e.position[j])}")
-
-    def _apply_slot_zero(self, target, i):
-        self._set_table(i, 0)
-        self._take(*self._unit_taken(i))
-        return self._fault("slot-zero", target, i, self._unit_sites("slot-zero", i, 0),
-                           note="seen only by kvcanary's SLOT_ZERO_IN_PREFIX extension")
-
+            self.set_table(i, slot)
+        self.take(*(x for pair in pairs for k in pair for x in self.unit_taken(k)))
+        return sum((self.unit_sites(kind, i, e.unit_slots[j]) for i, j in pairs), ())
 
 class _NoTarget(Exception):
     """No free entry of the class is left (internal: ``inject`` turns it into SynthError)."""

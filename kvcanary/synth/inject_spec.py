@@ -5,13 +5,14 @@ the fault model (:mod:`.fault_kinds`) before anything is simulated."""
 from __future__ import annotations
 
 from .config import SynthError
-from .fault_kinds import check_kind_target, default_target, fault_kinds, kind_targets
+from .fault_kinds import KINDS, check_kind_target, default_target, fault_kinds, kind_targets
 
 
 def inapplicable_kinds(config) -> dict:
     """Fault kinds that cannot be injected into a workload of ``config``, with the reason."""
     if config.sources == 0:
-        return {"real-kv-byte": "no real-KV sources (--sources 0)"}
+        return {name: "no real-KV sources (--sources 0)" for name, kind in KINDS.items()
+                if kind.needs_sources}
     return {}
 
 

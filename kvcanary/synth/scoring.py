@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..format.consts import RealKvHashMode
 from ..format.bits import SLOT_ZERO_IN_PREFIX as _SLOT_ZERO
-from .fault_kinds import (DEFAULT_TARGET, FAULT_KINDS, REQUEST, SWEEP, Fault, Site,
-                          real_kv_byte_note)
+from ..format.consts import RealKvHashMode
+from .fault_kinds import FAULT_KINDS, KINDS
+from .fault_sites import DEFAULT_TARGET, REQUEST, SWEEP, Fault, Site
 
 
 @dataclass
@@ -66,16 +66,9 @@ def faults_from_dump(dump) -> list:
 
 
 def fault_note(fault: Fault, mode: RealKvHashMode, compat: bool = False) -> str:
-    """Why a fault is or is not visible, in words."""
-    if fault.kind == "real-kv-byte":
-        return real_kv_byte_note(mode, fault.detail)
-    if fault.kind == "slot-zero":
-        if compat:
-            return "not visible with --compat (upstream skips slot 0 as unfilled)"
-        return "seen by kvcanary's SLOT_ZERO_IN_PREFIX extension"
-    if fault.kind == "swap":
-        return f"positions {fault.position} and {fault.detail} exchanged"
-    return fault.note
+    """Why a fault is or is not visible, in words (its kind's :meth:`~.FaultKind.note`)."""
+    kind = KINDS.get(fault.kind)
+    return fault.note if kind is None else kind.note(fault, mode, compat)
 
 
 def findings_by_entry(result) -> dict:

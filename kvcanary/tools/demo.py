@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from ..audit import audit
 from ..dump import load, save
 from ..format.errors import CanaryError
-from ..synth import FAULT_KINDS, Synthesis, SynthConfig, faults_from_dump, score
+from ..synth import FAULT_KINDS, KINDS, Synthesis, SynthConfig, faults_from_dump, score
 from ..format.violations import reason_labels
 
 DEMO_CONFIG = dict(requests=48, num_slots=2048, max_running=16, sources=2, bytes_per_token=32)
-# Two real-KV byte faults: the first lands in the leading 16 bytes, the second after them. The
-# default mode, all, sees both; partial mode shows one fault it sees and one it cannot.
-DEMO_FAULTS = tuple((kind, 2 if kind == "real-kv-byte" else 1) for kind in FAULT_KINDS)
+# One fault per row a kind's partial-mode table has: two real-KV byte faults, the first in the
+# leading 16 bytes, the second after them. The default mode, all, sees both; partial mode
+# shows one fault it sees and one it cannot.
+DEMO_FAULTS = tuple((name, len(KINDS[name].scopes("partial"))) for name in FAULT_KINDS)
 
 
 @dataclass

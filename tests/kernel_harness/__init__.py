@@ -93,6 +93,9 @@ def load(max_real_kv_sources: int = 4, check_expected_token: bool = False,
     lib.kvc_cpu_sources_size.restype = ctypes.c_long
     lib.kvc_cpu_sources_offset.restype = ctypes.c_long
     lib.kvc_cpu_sources_offset.argtypes = [ctypes.c_int]
+    lib.kvc_cpu_write_args_size.restype = ctypes.c_long
+    lib.kvc_cpu_write_args_offset.restype = ctypes.c_long
+    lib.kvc_cpu_write_args_offset.argtypes = [ctypes.c_char_p]
     return lib
 
 

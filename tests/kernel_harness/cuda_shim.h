@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Just enough of CUDA's built-ins to compile the kernels in kernels/ with a host C++
 // compiler. The test harness runs a launch as a sequential loop over blocks and threads,
 // setting blockIdx/threadIdx before each call. Kernels use no shared memory and no warp

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU launcher for the kernels in kernels/: each launch takes its arguments the way
 // cuLaunchKernel does (an array of pointers to the argument values) and runs the grid
 // as a sequential loop over (block, thread) in the order asked for: forward, reverse, or
@@ -64,9 +65,13 @@ extern "C" int kvc_cpu_launch(const char* name, unsigned grid, unsigned block, v
   KVC_DISPATCH(kvc_write_claims)
   KVC_DISPATCH(kvc_write)
   KVC_DISPATCH(kvc_write_real_kv)
-  KVC_DISPATCH(kvc_plan_rows)
+  KVC_DISPATCH(kvc_plan_rows_i32)
+  KVC_DISPATCH(kvc_plan_rows_i64)
   KVC_DISPATCH(kvc_plan_offsets)
-  KVC_DISPATCH(kvc_plan_entries)
+  KVC_DISPATCH(kvc_plan_entries_i32_i32)
+  KVC_DISPATCH(kvc_plan_entries_i32_i64)
+  KVC_DISPATCH(kvc_plan_entries_i64_i32)
+  KVC_DISPATCH(kvc_plan_entries_i64_i64)
 #undef KVC_DISPATCH
   return -1;
 }
@@ -83,3 +88,37 @@ extern "C" long kvc_cpu_sources_offset(int field) {
   }
 }
 extern "C" int kvc_cpu_max_sources() { return kvc::kMaxSources; }
+
+// kvc_write's parameter struct: the offset of field `name`, -1 for a name it lacks, and
+// its size (kvcanary/cuda/write_args.py must agree on both).
+extern "C" long kvc_cpu_write_args_size() { return sizeof(kvc::WriteArgs); }
+extern "C" long kvc_cpu_write_args_offset(const char* name) {
+#define KVC_FIELD(field) \
+  if (std::strcmp(name, #field) == 0) return offsetof(kvc::WriteArgs, field);
+  KVC_FIELD(canary_buf)
+  KVC_FIELD(num_slots)
+  KVC_FIELD(slot_stride_bytes)
+  KVC_FIELD(write_offsets)
+  KVC_FIELD(write_seed_slot_indices)
+  KVC_FIELD(write_num_valid_reqs)
+  KVC_FIELD(write_req_capacity)
+  KVC_FIELD(input_ids)
+  KVC_FIELD(positions)
+  KVC_FIELD(out_cache_loc)
+  KVC_FIELD(num_tokens)
+  KVC_FIELD(expected_input_tokens)
+  KVC_FIELD(expected_input_positions)
+  KVC_FIELD(kernel_kind)
+  KVC_FIELD(violation_ring)
+  KVC_FIELD(ring_capacity)
+  KVC_FIELD(violation_write_index)
+  KVC_FIELD(slot_run_counter)
+  KVC_FIELD(kernel_run_counter)
+  KVC_FIELD(enable_chain_position_assert)
+  KVC_FIELD(report_conflicts)
+  KVC_FIELD(seed_links)
+  KVC_FIELD(seed_positions)
+  KVC_FIELD(sources)
+#undef KVC_FIELD
+  return -1;
+}

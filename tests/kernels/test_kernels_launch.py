@@ -9,6 +9,7 @@ import kvcanary as kc
 from builders import make_context, make_sources, make_verify_plan
 from kernel_harness import CpuKernels, load
 from kvcanary.backends.cuda import launch as L
+from kvcanary.backends.cuda.write_args import WRITE_ARGS_FIELDS, write_args_dtype
 
 
 @pytest.mark.needs_compiler
@@ -22,6 +23,51 @@ def test_sources_dtype_matches_the_c_struct(bound):
     assert dtype.fields["mode"][1] == lib.kvc_cpu_sources_offset(2)
     assert dtype["src"].base.itemsize == lib.kvc_cpu_sources_offset(3)
     assert lib.kvc_cpu_max_sources() == bound
+
+
+@pytest.mark.needs_compiler
+@pytest.mark.parametrize("bound", [1, 4, 64])
+def test_write_args_dtype_matches_the_c_struct(bound):
+    """kvc_write's one parameter: every field of the Python layout is a field of the
+    compiled struct at the same offset, and the struct has no field more."""
+    lib = load(bound, False)
+    dtype = write_args_dtype(L.sources_dtype(bound))
+    assert dtype.names == tuple(name for name, _ in WRITE_ARGS_FIELDS) + ("sources",)
+    offsets = {name: lib.kvc_cpu_write_args_offset(name.encode()) for name in dtype.names}
+    assert offsets == {name: dtype.fields[name][1] for name in dtype.names}
+    assert dtype.itemsize == lib.kvc_cpu_write_args_size()
+    assert lib.kvc_cpu_write_args_offset(b"no_such_field") == -1
+
+
+def test_write_args_pack_every_field_in_place():
+    sources = make_sources(2, 16)
+    ctx = make_context(num_slots=16, sources=sources, mode=kc.RealKvHashMode.ALL)
+    plan = kc.WritePlan.allocate(3)
+    tokens = np.arange(5, dtype=np.int64)
+    [packed] = L.write_args(ctx, plan, input_ids=tokens, positions=tokens + 1,
+                            out_cache_loc=tokens + 2)
+    assert packed.shape == () and not packed.flags.writeable
+    assert packed["canary_buf"] == ctx.canary_buf.ctypes.data
+    assert (packed["num_slots"], packed["slot_stride_bytes"]) == ctx.canary_buf.shape
+    assert packed["write_req_capacity"] == 3 and packed["num_tokens"] == 5
+    assert packed["seed_positions"] == plan.seed_positions_scratch.ctypes.data
+    assert packed["expected_input_tokens"] == packed["expected_input_positions"] == 0
+    assert packed["report_conflicts"] == 1 and packed["kernel_kind"] == int(ctx.kernel_kind)
+    assert packed["ring_capacity"] == ctx.violation_log.ring.shape[0]
+    assert packed["sources"].tobytes() == L.pack_sources(ctx).tobytes()
+
+
+@pytest.mark.parametrize("table,pool,expected", [
+    (np.int32, None, ("kvc_plan_rows_i32", "kvc_plan_entries_i32_i32")),
+    (np.int64, None, ("kvc_plan_rows_i64", "kvc_plan_entries_i64_i64")),
+    (np.int32, np.int64, ("kvc_plan_rows_i32", "kvc_plan_entries_i32_i64")),
+    (np.int64, np.int32, ("kvc_plan_rows_i64", "kvc_plan_entries_i64_i32")),
+])
+def test_plan_entry_points_follow_the_index_types(table, pool, expected):
+    names = L.plan_entry_points(np.zeros((2, 2), table),
+                                None if pool is None else np.zeros((2, 2), pool))
+    assert names == expected
+    assert set(names) <= set(L.KERNEL_FILES["plan"][1])
 
 
 @pytest.mark.parametrize("bound", [0, 65])

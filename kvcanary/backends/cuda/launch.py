@@ -21,14 +21,19 @@ from ...model.arrays import context_arrays
 from ...format.errors import CanaryError, CanaryRuntimeError
 from ..kernel_source import kernel_dir
 from ...model.types import check_source_bound as check_bound
+from .write_args import pack_write_args
 
 # Kernel source file and entry points of each launch.
 KERNEL_FILES = {
     "verify": ("kvc_verify.cu", ("kvc_verify",)),
     "write": ("kvc_write.cu", ("kvc_write_seeds", "kvc_write_claims", "kvc_write",
                                "kvc_write_real_kv")),
-    "plan": ("kvc_plan.cu", ("kvc_plan_rows", "kvc_plan_offsets", "kvc_plan_entries")),
+    "plan": ("kvc_plan.cu", ("kvc_plan_rows_i32", "kvc_plan_rows_i64", "kvc_plan_offsets",
+                             "kvc_plan_entries_i32_i32", "kvc_plan_entries_i32_i64",
+                             "kvc_plan_entries_i64_i32", "kvc_plan_entries_i64_i64")),
 }
+# The plan's tables are int32 or int64, each index type its own entry point.
+INDEX_SUFFIXES = {4: "i32", 8: "i64"}
 CXX_STANDARD = "c++17"
 
 # Launch geometry: persistent grid-stride kernels get BLOCKS_PER_SM blocks per
@@ -185,11 +190,6 @@ def _i64(value: int) -> np.int64:
     return np.int64(value)
 
 
-@functools.lru_cache(maxsize=64)
-def _i32(value: int) -> np.int32:
-    return np.int32(value)
-
-
 def _or_null(array):
     return _NULL if array is None else array
 
@@ -236,19 +236,21 @@ def write_claims_args(context, plan, *, out_cache_loc) -> list:
 
 def write_args(context, plan, *, input_ids, positions, out_cache_loc,
                expected_input_tokens=None, expected_input_positions=None) -> list:
-    return [
-        *_buffer_args(context),
-        plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs,
-        _i64(plan.write_req_capacity),
-        input_ids, positions, out_cache_loc, _i64(input_ids.shape[0]),
-        _or_null(expected_input_tokens), _or_null(expected_input_positions),
-        _i64(context.kernel_kind),
-        *_ring_args(context),
-        context.slot_run_counter, context.kernel_run_counter,
-        context.enable_chain_position_assert, _i32(1 if context.extensions else 0),
-        plan.seed_links_scratch, plan.seed_positions_scratch,
-        pack_sources(context),
-    ]
+    """``kvc_write``'s one parameter, its ``WriteArgs`` struct (:mod:`.write_args`)."""
+    buf, log, ptr = context.canary_buf, context.violation_log, array_pointer
+    values = (
+        ptr(buf), buf.shape[0], buf.shape[1],
+        ptr(plan.write_offsets), ptr(plan.write_seed_slot_indices),
+        ptr(plan.write_num_valid_reqs), plan.write_req_capacity,
+        ptr(input_ids), ptr(positions), ptr(out_cache_loc), input_ids.shape[0],
+        ptr(expected_input_tokens), ptr(expected_input_positions),
+        int(context.kernel_kind),
+        ptr(log.ring), log.ring.shape[0], ptr(log.write_index),
+        ptr(context.slot_run_counter), ptr(context.kernel_run_counter),
+        ptr(context.enable_chain_position_assert), 1 if context.extensions else 0,
+        ptr(plan.seed_links_scratch), ptr(plan.seed_positions_scratch),
+    )
+    return [pack_write_args(values, pack_sources(context))]
 
 
 def write_real_kv_args(context, plan, *, out_cache_loc) -> list:
@@ -257,8 +259,17 @@ def write_real_kv_args(context, plan, *, out_cache_loc) -> list:
 
 def _table_args(table) -> list:
     if table is None:
-        return [_NULL, _i64(0), _i64(0), _i32(0)]
-    return [table, _i64(table.shape[0]), _i64(table.shape[1]), _i32(table.dtype.itemsize)]
+        return [_NULL, _i64(0), _i64(0)]
+    return [table, _i64(table.shape[0]), _i64(table.shape[1])]
+
+
+def plan_entry_points(req_to_token, req_to_verify_expected_tokens=None) -> tuple[str, str]:
+    """The ``(rows, entries)`` entry points of the tables' index types: ``kvc_plan_rows_i32``,
+    ``kvc_plan_entries_i32_i64`` (table, then token pool; no pool reads as the table's)."""
+    table = INDEX_SUFFIXES[req_to_token.dtype.itemsize]
+    pool = table if req_to_verify_expected_tokens is None else \
+        INDEX_SUFFIXES[req_to_verify_expected_tokens.dtype.itemsize]
+    return f"kvc_plan_rows_{table}", f"kvc_plan_entries_{table}_{pool}"
 
 
 def _lut_args(lut) -> list:
@@ -348,19 +359,20 @@ class Launcher:
         bs = int(req_pool_indices.shape[0])
         scratch = write_plan.plan_offsets_scratch  # bs + 1 <= write_req_capacity + 1 entries
         key = ("plan", None, False)
+        rows_entry, entries_entry = plan_entry_points(req_to_token, req_to_verify_expected_tokens)
         common = dict(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
                       req_to_token=req_to_token, block_size=block_size,
                       full_to_swa_index_mapping=full_to_swa_index_mapping,
                       swa_window_size=swa_window_size, verify_offsets_scratch=scratch)
         rows_work = max(bs, write_plan.write_req_capacity + 1)
-        self._run(key, "kvc_plan_rows", self._grid(rows_work), plan_rows_args(
+        self._run(key, rows_entry, self._grid(rows_work), plan_rows_args(
             extend_seq_lens=extend_seq_lens, verify_plan=verify_plan, write_plan=write_plan,
             **common))
         self._run(key, "kvc_plan_offsets", (1, 1), plan_offsets_args(
             bs=bs, verify_plan=verify_plan, write_plan=write_plan, verify_offsets_scratch=scratch))
         if bs == 0:
             return
-        self._run(key, "kvc_plan_entries", self._grid(verify_plan.verify_capacity),
+        self._run(key, entries_entry, self._grid(verify_plan.verify_capacity),
                   plan_entries_args(
                       req_to_verify_expected_tokens=req_to_verify_expected_tokens,
                       req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,

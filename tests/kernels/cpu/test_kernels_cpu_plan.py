@@ -47,6 +47,34 @@ def test_batch_of_5000_rows(table_dtype, pool_dtype):
     assert int(write_plan.write_offsets[bs]) == int(np.maximum(extend[rows != 0], 0).sum())
 
 
+def test_every_index_type_entry_point_matches_the_reference(cpu_kernels):  # noqa: F811
+    """Each (table, token pool) index type has its own entry points; a small batch through
+    each, block table and sliding window included, byte-compared in every thread order."""
+    from kvcanary.backends.cuda import launch as L
+
+    rng = np.random.default_rng(7)
+    start = len(cpu_kernels.launches)
+    for table_dtype in (np.int32, np.int64):
+        for pool_dtype in (None, np.int32, np.int64):
+            for block_size, window in ((1, 0), (4, 3)):
+                table = rng.integers(1, 60, size=(5, 12)).astype(table_dtype)
+                pool = None if pool_dtype is None else \
+                    rng.integers(-3, 1000, size=(5, 16)).astype(pool_dtype)
+                verify_plan, write_plan = kc.VerifyPlan.allocate(64), kc.WritePlan.allocate(4)
+                kc.plan(req_pool_indices=i64([3, 0, 1]), prefix_lens=i64([9, 4, 12]),
+                        extend_seq_lens=i64([2, 1, 3]), verify_plan=verify_plan,
+                        write_plan=write_plan, swa_window_size=window,
+                        full_to_swa_index_mapping=np.arange(256, dtype=np.int64)[::-1].copy()
+                        if window else None,
+                        **({"req_to_token": table} if block_size == 1 else
+                           {"block_table": table, "block_size": block_size}),
+                        **({} if pool is None else dict(
+                            req_to_verify_expected_tokens=pool,
+                            req_to_verify_expected_tokens_valid_lens=i64([16, 3, 10]))))
+    names = {name for name, _, _ in cpu_kernels.launches[start:]}
+    assert names == set(L.KERNEL_FILES["plan"][1])
+
+
 @pytest.mark.parametrize("window", [0, 3])
 def test_extreme_prefix_and_extend_values(window):
     """int64 extremes wrap like numpy's arithmetic (the sanitizer run checks no UB)."""

@@ -86,3 +86,12 @@ def test_loader_options_carry_the_bound_and_variant():
     assert "-DKVC_CHECK_VERIFY_EXPECTED_TOKEN=1" in options
     assert "-std=c++17" in options
     assert not any("KVC_CHECK" in o for o in L.compile_options("write", 4))
+
+
+@pytest.mark.parametrize("kernel", list(L.KERNEL_FILES))
+def test_every_entry_point_the_loader_looks_up_is_in_the_module(kernel):
+    """Each name of ``KERNEL_FILES`` (the plan's one per index type included) is a symbol of
+    the compiled module, so ``get_function`` finds it on a device."""
+    code = compile_kernel(kernel, None if kernel == "plan" else 4, False, "sm_90").code
+    missing = [name for name in L.KERNEL_FILES[kernel][1] if name.encode() + b"\0" not in code]
+    assert not missing, missing
