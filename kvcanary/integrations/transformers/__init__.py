@@ -43,7 +43,8 @@ from ...dump import save as save_dump
 from ...violations import Violation
 from ..findings import Finding, Sighting
 from .hooks import SUPPORTED_RANGE, SUPPORTED_VERSIONS, GuardError, _Hooks, supported_version
-from .session import _Session
+from .groups import _CacheSession, check_model
+from .session import _Session  # noqa: F401  (tests patch it)
 
 logger = logging.getLogger("kvcanary")
 
@@ -89,6 +90,7 @@ def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
     if not hasattr(model, "generate_batch") or not hasattr(model, "config"):
         raise GuardError(f"kvcanary: guard() needs a transformers model with generate_batch, "
                          f"got {type(model).__name__}")
+    check_model(model.config.get_text_config())
     layers = int(model.config.get_text_config().num_hidden_layers)
     return Guard(model, _source_list(sources, layers), HASH_MODES[hash_mode],
                  bool(check_tokens), plan_from, on_violation, int(ring_capacity))
@@ -197,23 +199,26 @@ class Guard:
                     guard_ms_median=float(np.median(times[:, 0]) * 1e3),
                     engine_ms_median=float(np.median(times[:, 1]) * 1e3))
 
-    def dump(self, path) -> str:
+    def dump(self, path, group: str | None = None) -> str:
         """Write the engine's last guarded step as a kvcanary dump (the container chosen by
         the suffix, as ``kvcanary.dump.save`` does): canary buffer, block table, live requests
         and their lengths, the real-KV sources and, with ``check_tokens``, the expected tokens.
-        ``kvcanary audit`` of a clean run's dump is clean."""
+        ``kvcanary audit`` of a clean run's dump is clean. ``group``: the cache group to dump
+        (``"full_attention"`` or ``"sliding_attention"``; None: the model's first); a
+        sliding-window group's dump holds each request's window, its size and the
+        full-to-SWA table."""
         if self._session is None or self._session.last is None:
             raise GuardError("kvcanary: guard.dump needs at least one guarded step")
-        return save_dump(path, **self._session.dump_arrays())
+        return save_dump(path, **self._session.dump_arrays(group))
 
     # -- internals
 
     def _time_step(self, guard_s: float, engine_s: float) -> None:
         self.step_times.append((guard_s, engine_s))
 
-    def _session_for(self, processor) -> "_Session":
+    def _session_for(self, processor) -> "_CacheSession":
         if self._session is None or self._session.cache is not processor.cache:
-            self._session = _Session(self, processor.cache)
+            self._session = _CacheSession(self, processor.cache)
             self.stats["sessions"] += 1
         return self._session
 
