@@ -113,6 +113,8 @@ def generate(model, guard=None, *, forks=1, cb=None, inputs=None):
 CLEAN = {
     # a chunk longer than the window (64 tokens a batch), decoding far past it
     "mistral-window-16": (lambda: mistral(), 1, batching()),
+    # a window that is no whole number of blocks (the ring's second block half used)
+    "mistral-window-12": (lambda: mistral(12), 1, batching()),
     # prompts prefilled in chunks of 16 under a small pool
     "mistral-window-16-chunked": (lambda: mistral(), 1, batching(24, 16)),
     # forks copy every ring block (a sliding group shares none)
@@ -362,3 +364,40 @@ def test_no_sliding_window_is_one_full_attention_group():
     generate(model, guard, inputs=prompts(4))
     assert [g.group_name for g in guard._session.groups] == ["full_attention"]
     assert guard.summary()["findings"] == 0
+
+
+# ------------------------------------------------------------------ offloading
+
+
+class _TorchWithoutPinnedMemory:
+    """torch as the offloading manager sees it: a CPU-only build has no pinned memory, so the
+    CPU swap pool is allocated as plain memory (the copies are the same)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, pin_memory=False, **kwargs):
+        return torch.empty(*args, **kwargs)
+
+
+def test_offloaded_kv_of_both_groups_comes_back_with_its_records(hybrid_model, monkeypatch):
+    from transformers.generation.continuous_batching import offloading_manager
+
+    from kvcanary.integrations.transformers import groups
+
+    monkeypatch.setattr(offloading_manager, "torch", _TorchWithoutPinnedMemory())
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=64,
+                                  max_requests_per_batch=8, use_async_batching=False,
+                                  cpu_offload_space=0.001)    # too small for 16 requests
+    clean = generate(hybrid_model, cb=cb)
+    guard = kvt.guard(hybrid_model, sources="kv-all")
+    assert generate(hybrid_model, guard, cb=cb) == clean
+    s = guard.summary()
+    assert s["blocks_restored"] > 0 and s["findings"] == 0, guard.findings()[:2]
+    # Without the sliding group's records coming back, its restored ring would not verify.
+    monkeypatch.setattr(groups._SlidingSession, "restore_records", lambda self, state: None)
+    guard = kvt.guard(hybrid_model, sources="kv-all", on_violation=lambda f: None)
+    generate(hybrid_model, guard, cb=cb)
+    assert guard.findings()
+    assert all(f.explanation.startswith("sliding_attention group: ") for f in guard.findings())

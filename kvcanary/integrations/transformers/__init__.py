@@ -16,7 +16,10 @@ The parts, each its own module:
 
 * :mod:`.hooks` -- where kvcanary hooks into the engine (only while the ``with`` block runs,
   only for the given model) and how transformers is restored on exit;
-* :mod:`.session` -- kvcanary's state beside one engine cache, step by step: before the
+* :mod:`.groups` -- one session per cache group (full-attention and sliding-window layers
+  each have their own allocator): a sliding group verifies the window its attention reads;
+  models kvcanary cannot guard are refused at :func:`guard`;
+* :mod:`.session` -- kvcanary's state beside one cache group, step by step: before the
   forward the plan (from the step's read indices or the allocator's block table) and the
   verify of every prefix slot the step reads; after it the write of the step's new tokens at
   the slots the engine's write indices really name; records copied on forks and carried
@@ -70,8 +73,9 @@ def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
     ``generate_batch`` raises :class:`GuardError`) or a callable receiving each new
     :class:`~kvcanary.integrations.findings.Finding`.
 
-    Raises :class:`GuardError` for a transformers version outside ``SUPPORTED_RANGE`` or a
-    bad argument."""
+    Raises :class:`GuardError` for a transformers version outside ``SUPPORTED_RANGE``, a
+    model whose layers are neither full nor sliding-window attention (or a window under 2
+    tokens), or a bad argument."""
     import transformers
 
     if not supported_version(transformers.__version__):
