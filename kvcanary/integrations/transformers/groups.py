@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...consts import LaunchTag
-from ...types import to_host
+from ...format.consts import LaunchTag
+from ...model.types import to_host
 from .hooks import GuardError
 from .session import _host, _Session
 
