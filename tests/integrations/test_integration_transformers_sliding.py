@@ -110,26 +110,28 @@ def generate(model, guard=None, *, forks=1, cb=None, inputs=None):
 
 # ------------------------------------------------------------------ clean runs
 
-CLEAN = {
+CLEAN = {   # model, return sequences, batching, guard arguments
     # a chunk longer than the window (64 tokens a batch), decoding far past it
-    "mistral-window-16": (lambda: mistral(), 1, batching()),
+    "mistral-window-16": (lambda: mistral(), 1, batching(), {}),
     # a window that is no whole number of blocks (the ring's second block half used)
-    "mistral-window-12": (lambda: mistral(12), 1, batching()),
+    "mistral-window-12": (lambda: mistral(12), 1, batching(),
+                          dict(plan_from="block_table", hash_mode="partial")),
     # prompts prefilled in chunks of 16 under a small pool
-    "mistral-window-16-chunked": (lambda: mistral(), 1, batching(24, 16)),
+    "mistral-window-16-chunked": (lambda: mistral(), 1, batching(24, 16),
+                                  dict(check_tokens=False)),
     # forks copy every ring block (a sliding group shares none)
-    "qwen2-hybrid-forks": (qwen2_hybrid, 2, batching(40, 32)),
-    "mistral-default-window": (lambda: mistral(default=True), 1, batching()),
+    "qwen2-hybrid-forks": (qwen2_hybrid, 2, batching(40, 32), {}),
+    "mistral-default-window": (lambda: mistral(default=True), 1, batching(), {}),
 }
 
 
 @pytest.mark.parametrize("name", list(CLEAN))
 def test_clean_run_no_finding_and_the_same_tokens(name):
-    make, forks, cb = CLEAN[name]
+    make, forks, cb, guard_kw = CLEAN[name]
     model = make()
     assert model.config.sliding_window is not None
     unguarded = generate(model, forks=forks, cb=cb)
-    guard = kvt.guard(model, sources="kv-all", on_violation="raise")
+    guard = kvt.guard(model, **{"sources": "kv-all", "on_violation": "raise", **guard_kw})
     assert generate(model, guard, forks=forks, cb=cb) == unguarded
     s = guard.summary()
     assert s["findings"] == 0 and s["ring_rows"] == 0, [f.describe() for f in guard.findings()]
