@@ -348,7 +348,7 @@ def test_ring_block_remapped_onto_another_requests_block(hybrid_model, monkeypat
 # ------------------------------------------------------------------ refused at guard()
 
 
-def test_unsupported_layer_type_is_refused_at_guard(sliding_model):
+def test_unsupported_layer_type_is_refused_at_guard():
     model = qwen2_hybrid()
     model.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(kvt.GuardError, match=r"'chunked_attention' \(layers 1\)"):
