@@ -51,10 +51,10 @@ def mistral(window=WINDOW, default=False):
     return MistralForCausalLM(config).eval()
 
 
-def qwen2_hybrid():
+def qwen2_hybrid(layer_types=("full_attention", SLIDING)):
     torch.manual_seed(0)
     config = Qwen2Config(**SIZES, sliding_window=WINDOW, use_sliding_window=True,
-                         layer_types=["full_attention", SLIDING])
+                         layer_types=list(layer_types))
     config._attn_implementation = "sdpa"
     return Qwen2ForCausalLM(config).eval()
 
@@ -121,6 +121,9 @@ CLEAN = {   # model, return sequences, batching, guard arguments
                                   dict(check_tokens=False)),
     # forks copy every ring block (a sliding group shares none)
     "qwen2-hybrid-forks": (qwen2_hybrid, 2, batching(40, 32), {}),
+    # the sliding group first: its row 0 of the engine's read and write indices
+    "qwen2-hybrid-sliding-first": (lambda: qwen2_hybrid((SLIDING, "full_attention")), 1,
+                                   batching(), {}),
     "mistral-default-window": (lambda: mistral(default=True), 1, batching(), {}),
 }
 
