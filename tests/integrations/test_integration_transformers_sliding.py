@@ -141,7 +141,13 @@ def test_clean_run_no_finding_and_the_same_tokens(name):
     # kvcanary's window is exactly the slots attention gathered, every step
     assert s["read_index_mismatches"] == 0 and s["write_index_mismatches"] == 0
     assert s["steps"] > 20 and s["entries_verified"] > 0
-    assert [g.group_name for g in guard._session.groups] == list(_group_names(model))
+    groups = s["cache_groups"]
+    assert {g["name"]: g["layers"] for g in groups} == _group_names(model)
+    assert sum(g["entries_verified"] for g in groups) == s["entries_verified"]
+    for g in groups:
+        assert g["sources"] == [f"{kind}{layer}" for layer in g["layers"] for kind in "kv"]
+        assert g["window"] == (None if g["name"] == "full_attention" else
+                               model.config.sliding_window)
     if forks > 1:
         assert s["blocks_copied"] > 0
 
@@ -152,12 +158,15 @@ def _group_names(model):
     return group_layers_by_attn_type(model.config)
 
 
-def test_window_verifies_at_most_its_cached_positions(sliding_model):
-    # every request reads at most WINDOW - 1 cached positions per step
-    guard = kvt.guard(sliding_model, sources=(), hash_mode="none")
-    generate(sliding_model, guard)
+def test_a_window_verifies_at_most_its_cached_positions(hybrid_model):
+    # every request reads at most WINDOW - 1 cached positions of the sliding group per step
+    guard = kvt.guard(hybrid_model, sources=(), hash_mode="none")
+    generate(hybrid_model, guard)
     s = guard.summary()
-    assert 0 < s["entries_verified"] <= s["steps"] * 8 * (WINDOW - 1)
+    full, window = s["cache_groups"]
+    assert window["sources"] == [] and window["window"] == WINDOW
+    assert 0 < window["entries_verified"] <= s["steps"] * 8 * (WINDOW - 1)
+    assert full["entries_verified"] > 2 * window["entries_verified"]
 
 
 @pytest.mark.parametrize("group", [None, SLIDING])

@@ -197,9 +197,12 @@ class Guard:
         """``steps`` (forward steps guarded), ``entries_verified``, ``tokens_written``,
         ``findings``, the ring rows, dropped rows, copied and restored blocks, and the median
         per step of the guard's time and of the engine's own step (``guard_ms_median``,
-        ``engine_ms_median``; ``guard.step_times`` holds every step's pair in seconds)."""
+        ``engine_ms_median``; ``guard.step_times`` holds every step's pair in seconds), and
+        ``cache_groups``: per cache group its ``name``, ``layers``, ``window`` (None for full
+        attention), real-KV ``sources`` and ``entries_verified``."""
         times = np.array(self.step_times or [(0.0, 0.0)])
-        return dict(self.stats, findings=len(self.merger),
+        groups = [] if self._session is None else self._session.describe()
+        return dict(self.stats, findings=len(self.merger), cache_groups=groups,
                     guard_ms_median=float(np.median(times[:, 0]) * 1e3),
                     engine_ms_median=float(np.median(times[:, 1]) * 1e3))
 

@@ -159,6 +159,7 @@ class _CacheSession:
             if len(allocators) > 1:
                 session.explanation_prefix = f"{name} group: "
             self.groups.append(session)
+        self.entries = dict.fromkeys(allocators, 0)    # entries verified per group
 
     @property
     def xp(self):
@@ -182,13 +183,26 @@ class _CacheSession:
         return self.groups[0].on_engine_stream(processor)
 
     def before_step(self, processor) -> None:
-        self.guard.stats["steps"] += 1
+        stats = self.guard.stats
+        stats["steps"] += 1
         for session in self.groups:
-            session.before_step(processor)
+            before = stats["entries_verified"]
+            try:
+                session.before_step(processor)
+            finally:
+                self.entries[session.group_name] += stats["entries_verified"] - before
 
     def after_step(self, processor) -> None:
         for session in self.groups:
             session.after_step(processor)
+
+    def describe(self) -> list:
+        """Per group: name, layers, window (None for full attention), real-KV sources and
+        entries verified."""
+        return [dict(name=s.group_name, layers=list(s.allocator.layer_indices),
+                     window=getattr(s, "window", None),
+                     sources=[name for name, _ in s.real_kv],
+                     entries_verified=self.entries[s.group_name]) for s in self.groups]
 
     def dump_arrays(self, group: str | None = None) -> dict:
         return self.group(group).dump_arrays()
