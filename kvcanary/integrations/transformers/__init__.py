@@ -16,7 +16,10 @@ The parts, each its own module:
 
 * :mod:`.hooks` -- where kvcanary hooks into the engine (only while the ``with`` block runs,
   only for the given model) and how transformers is restored on exit;
-* :mod:`.session` -- kvcanary's state beside one engine cache, step by step: before the
+* :mod:`.groups` -- one session per cache group (full-attention and sliding-window layers
+  each have their own allocator): a sliding group verifies the window its attention reads;
+  models kvcanary cannot guard are refused at :func:`guard`;
+* :mod:`.session` -- kvcanary's state beside one cache group, step by step: before the
   forward the plan (from the step's read indices or the allocator's block table) and the
   verify of every prefix slot the step reads; after it the write of the step's new tokens at
   the slots the engine's write indices really name; records copied on forks and carried
@@ -44,7 +47,8 @@ from ...format.violations import Violation
 from ..findings import Finding, Sighting
 from ...format.errors import GuardError
 from .hooks import SUPPORTED_RANGE, SUPPORTED_VERSIONS, Hooks, supported_version
-from .session import Session
+from .groups import CacheSession, check_model
+from .session import Session  # noqa: F401  (tests patch it)
 
 logger = logging.getLogger("kvcanary")
 
@@ -69,8 +73,9 @@ def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
     ``generate_batch`` raises :class:`GuardError`) or a callable receiving each new
     :class:`~kvcanary.integrations.findings.Finding`.
 
-    Raises :class:`GuardError` for a transformers version outside ``SUPPORTED_RANGE`` or a
-    bad argument."""
+    Raises :class:`GuardError` for a transformers version outside ``SUPPORTED_RANGE``, a
+    model whose layers are neither full nor sliding-window attention (or a window under 2
+    tokens), or a bad argument."""
     import transformers
 
     if not supported_version(transformers.__version__):
@@ -89,6 +94,7 @@ def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
     if not hasattr(model, "generate_batch") or not hasattr(model, "config"):
         raise GuardError(f"guard() needs a transformers model with generate_batch, "
                          f"got {type(model).__name__}")
+    check_model(model.config.get_text_config())
     layers = int(model.config.get_text_config().num_hidden_layers)
     return Guard(model, _source_list(sources, layers), RealKvHashMode.from_name(hash_mode),
                  bool(check_tokens), plan_from, on_violation, int(ring_capacity))
@@ -191,29 +197,35 @@ class Guard:
         """``steps`` (forward steps guarded), ``entries_verified``, ``tokens_written``,
         ``findings``, the ring rows, dropped rows, copied and restored blocks, and the median
         per step of the guard's time and of the engine's own step (``guard_ms_median``,
-        ``engine_ms_median``; ``guard.step_times`` holds every step's pair in seconds)."""
+        ``engine_ms_median``; ``guard.step_times`` holds every step's pair in seconds), and
+        ``cache_groups``: per cache group its ``name``, ``layers``, ``window`` (None for full
+        attention), real-KV ``sources`` and ``entries_verified``."""
         times = np.array(self.step_times or [(0.0, 0.0)])
-        return dict(self.stats, findings=len(self.merger),
+        groups = [] if self.session is None else self.session.describe()
+        return dict(self.stats, findings=len(self.merger), cache_groups=groups,
                     guard_ms_median=float(np.median(times[:, 0]) * 1e3),
                     engine_ms_median=float(np.median(times[:, 1]) * 1e3))
 
-    def dump(self, path) -> str:
+    def dump(self, path, group: str | None = None) -> str:
         """Write the engine's last guarded step as a kvcanary dump (the container chosen by
         the suffix, as ``kvcanary.dump.save`` does): canary buffer, block table, live requests
         and their lengths, the real-KV sources and, with ``check_tokens``, the expected tokens.
-        ``kvcanary audit`` of a clean run's dump is clean."""
+        ``kvcanary audit`` of a clean run's dump is clean. ``group``: the cache group to dump
+        (``"full_attention"`` or ``"sliding_attention"``; None: the model's first); a
+        sliding-window group's dump holds each request's window, its size and the
+        full-to-SWA table."""
         if self.session is None or self.session.last is None:
             raise GuardError("guard.dump needs at least one guarded step")
-        return save_dump(path, **self.session.dump_arrays())
+        return save_dump(path, **self.session.dump_arrays(group))
 
     # -- internals
 
     def time_step(self, guard_s: float, engine_s: float) -> None:
         self.step_times.append((guard_s, engine_s))
 
-    def session_for(self, processor) -> "Session":
+    def session_for(self, processor) -> "CacheSession":
         if self.session is None or self.session.cache is not processor.cache:
-            self.session = Session(self, processor.cache)
+            self.session = CacheSession(self, processor.cache)
             self.stats["sessions"] += 1
         return self.session
 

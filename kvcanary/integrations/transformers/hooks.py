@@ -93,12 +93,10 @@ class Hooks:
                     delattr(owner, name)
 
     @classmethod
-    def session_of(cls, match):
-        for g in list(cls.active.values()):
-            s = g.session
-            if s is not None and match(s):
-                return s
-        return None
+    def sessions_of(cls, match) -> list:
+        """The cache-group sessions of every active guard that ``match`` accepts."""
+        return [s for g in list(cls.active.values()) if g.session is not None
+                for s in g.session.groups if match(s)]
 
 
 def _generation_step_hook(original):
@@ -125,8 +123,7 @@ def _generation_step_hook(original):
 def _copy_blocks_hook(original):
     def copy_blocks(self, source_block_ids, dest_block_ids):
         original(self, source_block_ids, dest_block_ids)
-        session = Hooks.session_of(lambda s: s.allocator is self)
-        if session is not None:
+        for session in Hooks.sessions_of(lambda s: s.allocator is self):
             session.copy_records(list(source_block_ids), list(dest_block_ids))
 
     copy_blocks.__wrapped__ = original
@@ -136,8 +133,7 @@ def _copy_blocks_hook(original):
 def _offload_hook(original):
     def _offload_to_cpu(self, victims, victim_block_tables):
         offloaded = original(self, victims, victim_block_tables)
-        session = Hooks.session_of(lambda s: s.cache is self.cache)
-        if session is not None:
+        for session in Hooks.sessions_of(lambda s: s.cache is self.cache):
             for request_id in offloaded:
                 blocks = victim_block_tables[request_id].get(session.group_name, [])
                 session.save_records(request_id, blocks)
@@ -149,8 +145,7 @@ def _offload_hook(original):
 
 def _restore_hook(original):
     def restore_scheduled_requests(self, requests_in_batch):
-        session = Hooks.session_of(lambda s: s.cache is self.cache)
-        if session is not None:
+        for session in Hooks.sessions_of(lambda s: s.cache is self.cache):
             for future in requests_in_batch:
                 if future.state.is_cpu_offloaded:
                     session.restore_records(future.state)

@@ -1,10 +1,12 @@
-"""kvcanary's state beside one transformers ``PagedAttentionCache``, step by step.
+"""kvcanary's state beside one cache group of a transformers ``PagedAttentionCache``, step
+by step.
 
-A :class:`Session` holds the canary buffer (one 32-byte record per slot, slot ``block *
-page_size + offset``), the launch context whose real-KV sources are zero-copy views of the
-engine's cache tensor, who wrote each slot (request, position, step, whether the block table
-named it) and each request's own bookkeeping. Per forward step: ``before_step`` plans and
-verifies what the step reads, ``after_step`` writes what it wrote; ring rows become
+A :class:`Session` (one per cache group, see :mod:`.groups`) holds the canary buffer (one
+32-byte record per slot, slot ``block * page_size + offset``), the launch context whose
+real-KV sources are zero-copy views of the engine's cache tensor, who wrote each slot
+(request, position, step, whether the block table named it) and each request's own
+bookkeeping. Per forward step: ``before_step`` plans and verifies what the step reads,
+``after_step`` writes what it wrote; ring rows become
 :class:`~kvcanary.integrations.findings.Sighting` objects (verify rows attributed and
 diagnosed by :func:`kvcanary.attribute`) that the guard merges into findings. Forks copy
 records, offloading carries them, and the last step is kept for the dump.
@@ -22,6 +24,7 @@ from ...findings.attribution import LaunchFinding, attribute
 from ...format.consts import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, LaunchTag, RealKvHashMode
 from ...findings.diagnosis import diagnose, failed_checks
 from ...findings.evidence import Entry
+from ...format.rules import window_start
 from ...model.types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan, to_host
 from ...format.violations import Violation
 from ..findings import (
@@ -60,22 +63,21 @@ class _Request:
 
 
 class Session:
-    """kvcanary's state beside one PagedAttentionCache: canary buffer, launch context, who
-    wrote each slot, and each request's own bookkeeping."""
+    """kvcanary's state beside one cache group (one allocator) of a PagedAttentionCache:
+    canary buffer, launch context, who wrote each slot, and each request's own bookkeeping.
+    This class is a full-attention group; :mod:`.groups` adds the sliding-window group and
+    the per-cache object that runs one session per group."""
 
-    def __init__(self, g: "Guard", cache):
-        from transformers.generation.continuous_batching.cache_allocators import (
-            FullAttentionCacheAllocator,
-        )
+    launch_tag = LaunchTag.TAIL_K_FULL
+    swa_window_size = 0     # positions verified per request: all (a window: the last ones)
+    lut = None              # the full-to-SWA slot table a window's plan needs
+    explanation_prefix = ""  # names the group in a model with several
 
+    def __init__(self, g: "Guard", cache, group_name: str, allocator):
         self.guard, self.cache = g, cache
-        groups = cache.cache_allocators
-        allocator = next(iter(groups.values()))
-        if len(groups) != 1 or type(allocator) is not FullAttentionCacheAllocator:
-            raise GuardError("only models whose layers are all full attention are "
-                             f"supported, this one has cache groups {sorted(groups)}")
-        self.group_name = next(iter(groups))
+        self.group_name = group_name
         self.allocator = allocator
+        self.group_index = int(allocator.index)   # the group's row in the engine's indices
         self.page = int(allocator.tokens_per_page)
         self.stride = int(allocator.block_physical_stride)
         copy_view = allocator._copy_view
@@ -92,12 +94,12 @@ class Session:
         self.real_kv = self._sources(copy_view)
         self.context = CanaryContext(
             xp.zeros((self.num_slots, CANARY_SLOT_BYTES), dtype=xp.uint8),
-            kernel_kind=LaunchTag.TAIL_K_FULL,
+            kernel_kind=self.launch_tag,
             violation_log=ViolationLog.allocate(g.ring_capacity, xp=xp),
             slot_run_counter=xp.zeros(1, dtype=xp.int64),
             kernel_run_counter=xp.zeros(1, dtype=xp.int64),
             real_kv_sources=tuple(source for _, source in self.real_kv),
-            real_kv_hash_mode=g.hash_mode,
+            real_kv_hash_mode=g.hash_mode if self.real_kv else RealKvHashMode.NONE,
             max_real_kv_sources=max(MAX_REAL_KV_SOURCES, len(self.real_kv)))
         self.writer_request = np.full(self.num_slots, -1, dtype=np.int64)
         self.writer_position = np.full(self.num_slots, -1, dtype=np.int64)
@@ -111,7 +113,8 @@ class Session:
         self.last = None
 
     def _sources(self, copy_view) -> list:
-        """``[(name, RealKvSource)]``: each a zero-copy view of one layer's K or V rows."""
+        """``[(name, RealKvSource)]``: each a zero-copy view of one layer's K or V rows (the
+        sources of this group's layers)."""
         a = self.allocator
         token_bytes = int(a.num_key_value_heads) * int(a.head_dim) * a.cache_dtype.itemsize
         if self.guard.sources and token_bytes % 16:
@@ -120,6 +123,8 @@ class Session:
         page_bytes = self.page * token_bytes
         out = []
         for kind, layer in self.guard.sources:
+            if layer not in a.layer_indices:
+                continue
             local = a.layer_indices.index(layer)
             start = (2 * local + (kind == "v")) * page_bytes
             view = copy_view[:, start:start + page_bytes]
@@ -160,6 +165,16 @@ class Session:
         slots[inside] = blocks[index[inside]] * self.page + positions[inside] % self.page
         return slots
 
+    def step_table(self, request_id: str, past: int, query: int, length: int) -> np.ndarray:
+        """The slots this step expects for positions ``[0, length)`` of a request with
+        ``past`` tokens cached and ``query`` written now: the block table's."""
+        return self.table_slots(request_id, length)
+
+    def read_span(self, engine_past: int, query: int) -> tuple:
+        """``(count, first)``: how many read indices the engine lists for one request, and
+        the position the first one reads (all cached positions, then the new tokens)."""
+        return engine_past + query, 0
+
     # -- one forward step
 
     def before_step(self, processor) -> None:
@@ -172,12 +187,11 @@ class Session:
         if type(io) is not ContinuousBatchingIOs:
             raise GuardError("asynchronous batching is not supported; run with "
                              "ContinuousBatchingConfig(use_async_batching=False)")
-        g.stats["steps"] += 1
-        self.step = g.stats["steps"]
+        self.step = g.stats["steps"]     # counted once per step for every group
         batch = []
-        read_all = None
-        if not io.use_block_table and io.max_kv_read > 0 and io.true_read_sizes[0] > 0:
-            read_all = self.to_slots(_host(io.read_index_storage[0, :io.true_read_sizes[0]]))
+        read_all, row = None, self.group_index
+        if not io.use_block_table and io.max_kv_read > 0 and io.true_read_sizes[row] > 0:
+            read_all = self.to_slots(host_array(io.read_index_storage[row, :io.true_read_sizes[row]]))
         read_at = 0
         for future in io.requests_in_batch:
             state = future.state
@@ -191,14 +205,16 @@ class Session:
                 rec.length, rec.restored = engine_past, False
             past = rec.length
             reach = max(past, engine_past) + q + 1
-            table = self.table_slots(state.request_id, reach)
+            table = self.step_table(state.request_id, past, q, reach)
             read = table[:past].copy()
             if read_all is not None:
-                got = read_all[read_at:read_at + engine_past + q]
-                read_at += engine_past + q
+                count, first = self.read_span(engine_past, q)
+                got = read_all[read_at:read_at + count]
+                read_at += count
                 if g.plan_from == "read_indices":
-                    n = min(past, engine_past, got.size)
-                    read[:n] = got[:n]
+                    low = max(first, past - self.swa_window_size if self.swa_window_size else 0)
+                    high = min(past, engine_past, first + got.size)
+                    read[low:high] = got[low - first:high - first]
             tokens = np.asarray(state.initial_tokens + state.generated_tokens, dtype=np.int64)
             batch.append(_InBatch(rec, q, engine_past, past, table, read, tokens))
         self.batch = batch
@@ -218,7 +234,8 @@ class Session:
             pool[i + 1, :valid[i]] = tokens[:valid[i]]
         prefix = np.array([b.past for b in batch], dtype=np.int64)
         extend = np.array([b.query for b in batch], dtype=np.int64)
-        capacity = max(1, int(prefix.sum()))
+        entries = int((prefix - window_start(prefix, self.swa_window_size)).sum())
+        capacity = max(1, entries)
         self.verify_plan = VerifyPlan.allocate(capacity, xp=xp)
         self.write_plan = WritePlan.allocate(max(1, n), xp=xp)
         kwargs = {}
@@ -228,8 +245,8 @@ class Session:
         api.plan(req_pool_indices=xp.arange(1, n + 1, dtype=xp.int64),
                 prefix_lens=xp.asarray(prefix), extend_seq_lens=xp.asarray(extend),
                 req_to_token=xp.asarray(table), verify_plan=self.verify_plan,
-                write_plan=self.write_plan, **kwargs)
-        entries = int(prefix.sum())
+                write_plan=self.write_plan, swa_window_size=self.swa_window_size,
+                full_to_swa_index_mapping=self.lut, **kwargs)
         events, self.misread = {}, set()
         for i, (rec, _, engine_past, past, slots, read, _) in enumerate(batch):
             n_read = min(past, engine_past)
@@ -245,7 +262,8 @@ class Session:
             if self.context.violation_log.total:
                 found = attribute(self.context, self.verify_plan,
                                   req_pool_indices=np.arange(1, n + 1, dtype=np.int64),
-                                  prefix_lens=prefix, launch=self.step)
+                                  prefix_lens=prefix, swa_window_size=self.swa_window_size,
+                                  launch=self.step)
             self._take_rows()
             for f in found:
                 if f.entry is None:
@@ -271,13 +289,9 @@ class Session:
     def after_step(self, processor) -> None:
         g, xp, io, batch = self.guard, self.xp, processor.inputs_and_outputs, self.batch
         total = sum(b.query for b in batch)
-        if io.use_block_table:
-            written = np.concatenate([b.table[b.engine_past:b.engine_past + b.query]
-                                      for b in batch])
-        else:
-            written = self.to_slots(_host(io.write_index_storage[0, :total]))
-        input_ids = _host(io.input_ids[:total]).astype(np.int64)
-        positions = _host(io.position_ids[:total]).astype(np.int64)
+        written = self.written_slots(io, batch, total)
+        input_ids = host_array(io.input_ids[:total]).astype(np.int64)
+        positions = host_array(io.position_ids[:total]).astype(np.int64)
         expected_tokens = np.concatenate(
             [_padded(tokens, past, q) for _, q, _, past, _, _, tokens in batch])
         # A position past the request's tokens has no known token: nothing to compare there.
@@ -331,6 +345,13 @@ class Session:
         if g.error is not None:
             raise g.error
 
+    def written_slots(self, io, batch, total: int) -> np.ndarray:
+        """The slots the engine's write indices of this step name, token by token."""
+        if io.use_block_table:
+            return np.concatenate([b.table[b.engine_past:b.engine_past + b.query]
+                                   for b in batch])
+        return self.to_slots(host_array(io.write_index_storage[self.group_index, :total]))
+
     def _uid(self, request_id: str) -> int:
         uid = self.uid_of.get(request_id)
         if uid is None:
@@ -358,9 +379,10 @@ class Session:
             i, position, slot = batch_index[found.finding.key()], found.position, found.slot
             key = (i, position)
             own = (written or {}).get(key) or batch[i].rec.own.get(position) or (None, True)
-            found.explanation = explain(found.finding, self._evidence(
-                batch[i].rec, position, slot, batch[i].table, own,
-                (engine_positions or {}).get(key), (i, position - 1) in self.misread))
+            found.explanation = self.explanation_prefix + explain(
+                found.finding, self._evidence(
+                    batch[i].rec, position, slot, batch[i].table, own,
+                    (engine_positions or {}).get(key), (i, position - 1) in self.misread))
             g.report(found)
     def _evidence(self, rec, position, slot, table, own_write, engine_position,
                   misread_before) -> EngineEvidence:
@@ -428,20 +450,24 @@ class Session:
 
     # -- dump
 
+    def dump_table(self, last) -> dict:
+        """The dump's slot table of the last step's requests: their block tables."""
+        width = max(1, max(len(blocks) for _, blocks, _, _ in last))
+        block_table = np.zeros((len(last) + 1, width), dtype=np.int64)
+        for i, (_, blocks, _, _) in enumerate(last):
+            block_table[i + 1, :len(blocks)] = blocks
+        return dict(block_table=block_table, block_size=self.page)
+
     def dump_arrays(self) -> dict:
         last = self.last
         n = len(last)
-        width = max(1, max(len(blocks) for _, blocks, _, _ in last))
-        block_table = np.zeros((n + 1, width), dtype=np.int64)
-        for i, (_, blocks, _, _) in enumerate(last):
-            block_table[i + 1, :len(blocks)] = blocks
         arrays = dict(
             kvcanary_dump_version=1,
             canary=np.ascontiguousarray(to_host(self.context.canary_buf)),
-            block_table=block_table, block_size=self.page,
+            **self.dump_table(last),
             req_pool_indices=np.arange(1, n + 1, dtype=np.int64),
             seq_lens=np.array([length for _, _, length, _ in last], dtype=np.int64),
-            launch_tag=LaunchTag.TAIL_K_FULL.name)
+            launch_tag=self.launch_tag.name)
         if self.real_kv and self.guard.hash_mode != RealKvHashMode.NONE:
             for i, (_, source) in enumerate(self.real_kv):
                 arrays[f"real_kv_{i}"] = np.ascontiguousarray(to_host(source.tensor))
@@ -460,7 +486,7 @@ class Session:
         return arrays
 
 
-def _host(tensor) -> np.ndarray:
+def host_array(tensor) -> np.ndarray:
     """A torch tensor as a numpy array (a view on the CPU)."""
     return tensor.detach().cpu().numpy()
 
