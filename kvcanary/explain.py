@@ -17,7 +17,8 @@ never dropped: it is a reported violation all the same.
 
 Only a log that shows the canary ran can be clean: SGLang logs ``install_canary: ...`` when
 it installs the canary (``--kv-canary log`` or ``raise``), and its periodic ``[canary] step=``
-and sweep lines while it runs; ``kvcanary audit --format json`` writes a ``config`` record.
+and sweep lines while it runs; ``kvcanary audit --format json`` a summary of the entries it
+checked.
 :attr:`Explanation.verdict` is ``no-canary-output`` for inputs without any of these.
 """
 

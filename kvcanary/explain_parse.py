@@ -198,13 +198,12 @@ def parse_json_line(text: str):
 
 
 def canary_mark(record) -> bool:
-    """Whether a JSON ``record`` shows kvcanary checked something: ``audit``'s config
-    record, or an ``explain`` summary that saw canary output."""
-    if not isinstance(record, dict):
+    """Whether a JSON ``record`` shows kvcanary checked something: an ``audit`` summary that
+    checked entries, or an ``explain`` summary that saw canary output."""
+    if not isinstance(record, dict) or record.get("record") != "summary":
         return False
-    kind = record.get("record")
-    return ((kind == "config" and record.get("command") == "audit")
-            or (kind == "summary" and record.get("canary_output") is True))
+    checked = _json_int(record.get("entries_checked"))
+    return bool(checked and checked > 0) or record.get("canary_output") is True
 
 
 class Marks:
@@ -254,7 +253,7 @@ def read_rows(lines, source: str, on_unparsed=None, marks: Marks | None = None):
                 v, step, attribution = parsed
                 yield Row(v, source, number, step=step, attribution=attribution, json=True)
                 continue
-            if canary_mark(record):
+            if canary_mark(record) and "kv_canary violation:" not in stripped:
                 marks.canary += 1
                 continue
             if record is not None and isinstance(record, dict) and (
