@@ -98,8 +98,8 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
     evidence.failing_slots, evidence.failing_bits = asked[tally.slot_bits[asked] != 0], \
         tally.slot_bits[asked][tally.slot_bits[asked] != 0].astype(np.int64)
     evidence.zero_entries, evidence.checked_entries = zero_entries, checked
-    stored = {(f.batch_index, f.position): f.violation.position for f in findings
-              if f.kind == "request"}
+    stored = {(f.batch_index, f.position): (f.violation.position, f.violation.stored_token)
+              for f in findings if f.kind == "request"}
     swa = d.full_to_swa_index_mapping is not None
     table = "req_to_token" if d.block_table is None else "block_table"
     tables = _DumpTables(d)
