@@ -37,7 +37,8 @@ import numpy as np
 
 from .consts import EXPECTED_TOKEN_UNKNOWN, PLAN_SLOT_OUT_OF_TABLE, FailReason
 # The evidence tables live in their own module; their names stay importable from here.
-from .evidence import CHAIN_HEAD_INT64, Entry, Evidence, or_by_slot, record_links  # noqa: F401
+from .evidence import (  # noqa: F401
+    CHAIN_HEAD_INT64, Entry, Evidence, or_by_slot, predecessor_changed, record_links)
 from .violations import Violation
 
 CHECK_WORDS = {
@@ -451,7 +452,7 @@ def _chain_only(v: Violation, entry: Entry, ev, real_kv) -> Diagnosis:
             f"the chain head at position {entry.position} (slot {s}) does not start from the "
             "anchor: its chain link changed after the write, or it was written as the "
             f"continuation of another sequence.{real_kv}"))
-    changed = None if ev is None or entry.prev_slot <= 0 else _predecessor_changed(
+    changed = None if ev is None or entry.prev_slot <= 0 else predecessor_changed(
         ev, entry.prev_slot)
     if changed is None:
         return Diagnosis("predecessor-changed", (
@@ -477,41 +478,6 @@ def _chain_only(v: Violation, entry: Entry, ev, real_kv) -> Diagnosis:
         f"only the chain link of slot {s} fails (token and position right) while the record "
         f"at {_prev_where(entry)} is intact: this record's stored chain link changed after "
         f"the write.{real_kv}"))
-
-
-# Chain-only findings followed back from one row at most.
-CHAIN_WALK = 64
-
-
-def _predecessor_changed(ev: Evidence, prev: int) -> bool | None:
-    """Whether the record at ``prev`` changed (so a chain-only row after it follows from it).
-
-    A content finding (token or position) there changed it. A chain-only finding there is
-    either its own link field changed (which changes ours) or the victim of its own
-    predecessor: along a run of chain-only findings, owners and victims alternate from the
-    first record before the run (a content change starts with a victim, an intact record
-    with an owner). None when the run's first record is not in the evidence."""
-    content = _TOKEN | _POSITION
-    run, slot, last = 0, prev, prev
-    while run < CHAIN_WALK and slot > 0:
-        bits = ev.bits_at(slot)
-        if bits & content or not bits & _CHAIN:
-            break
-        run += 1
-        last, slot = slot, ev.prev_of(slot)
-    if run == 0:
-        return bool(slot > 0 and ev.bits_at(slot) & content)
-    head = slot < 0 and bool((ev.slots == last).any())   # the run reached a chain head
-    if (slot <= 0 and not head) or run >= CHAIN_WALK or (slot > 0 and ev.prev_of(slot) == 0
-                                                         and not ev.bits_at(slot) & content):
-        # The run starts at a record the evidence cannot vouch for (one it does not hold, or
-        # one whose own chain check was vacuous), or beyond the walk: its parity, and so
-        # who owns the change, is unknown.
-        return None
-    base_changed = slot > 0 and bool(ev.bits_at(slot) & content)
-    # The run's records from the base: with a changed base the first is a victim, so the
-    # predecessor (the run's last) changed iff the run's length is even; else iff odd.
-    return run % 2 == (0 if base_changed else 1)
 
 
 def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,
