@@ -164,7 +164,7 @@ def _read_all(logs):
     """Every input read into one Explanation; any input that cannot be read is one error
     line each and exit 2, with no summary (a partial reading is no result)."""
     from kvcanary.cli.log_input import log_lines, open_log
-    from kvcanary.explain import MAX_LINE, ExplainError, Explanation
+    from kvcanary.audit.explain import MAX_LINE, ExplainError, Explanation
 
     stdin = getattr(sys.stdin, "buffer", sys.stdin)
     held = {}
@@ -209,7 +209,7 @@ def bounded_patterns(patterns: list, limit: int) -> list:
     folded into one closing pattern that says how many were left out."""
     if limit == 0:
         return patterns
-    from kvcanary.explain import Pattern
+    from kvcanary.audit.explain import Pattern
 
     out, seen, left = [], {}, {}
     for p in patterns:

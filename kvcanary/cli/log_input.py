@@ -4,7 +4,7 @@ A file is looked at before it is read: a kvcanary dump (npz, npy, safetensors, a
 is refused naming ``kvcanary audit``, and any other file whose first bytes hold a NUL is
 refused as binary (``/dev/zero`` would otherwise be one endless line). Lines are cut at
 ``limit`` characters: the rest of a longer line is skimmed in chunks for the marks of a
-violation report and comes back as one :class:`kvcanary.explain.Overlong`, so memory stays
+violation report and comes back as one :class:`kvcanary.audit.explain.Overlong`, so memory stays
 bounded by the limit and time by the bytes.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import stat
 
-from kvcanary.explain_parse import VIOLATION_MARKS, ExplainError, Overlong
+from kvcanary.audit.explain_parse import VIOLATION_MARKS, ExplainError, Overlong
 
 SNIFF_BYTES = 8192
 CHUNK_BYTES = 1 << 16
