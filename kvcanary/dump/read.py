@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .model import DumpError, flavour_of, is_read_key
+from .model import DumpError, check_key_names, flavour_of, is_read_key
 
 
 # safetensors dtype names numpy can represent; others are read as raw bytes.
@@ -100,7 +100,7 @@ def _read_npz(path: str) -> dict:
             name = info.filename.removesuffix(".npy")
             key = shown_name(name)
             if not is_read_key(name):
-                continue
+                check_key_names(path, [key])   # refused (shown escaped), naming the nearest key
             with _reading(f"{path}: key {key}: cannot read"):
                 with archive.open(info) as member:
                     shape, dtype, header, nbytes = _npy_layout(member)
@@ -254,7 +254,7 @@ def _read_dir_files(path: str, through: str) -> dict:
             _require_inside(path, through, name, shown, key)
             _require_regular(file, shown, key)
             if not is_read_key(raw_key):
-                continue
+                check_key_names(path, [key])   # refused (shown escaped), naming the nearest key
             with open(file, "rb") as handle:
                 shape, dtype, header, nbytes = _npy_layout(handle)
             held = os.path.getsize(file) - header
@@ -284,7 +284,7 @@ def _read_safetensors(path: str) -> dict:
                     values[key] = np.array(value)
             for key in handle.keys():
                 if not is_read_key(key):
-                    continue
+                    check_key_names(path, [shown_name(key)])   # refused, naming the nearest key
                 info = header[key]
                 if info["dtype"] in _SAFETENSORS_NUMPY:
                     values[key] = handle.get_tensor(key)
@@ -376,5 +376,9 @@ def read_raw(path) -> tuple[str, dict]:
         return flavour, _read_safetensors(path)
     if flavour == "npz":
         return flavour, _read_npz(path)
+    if path.endswith(".npy"):
+        raise DumpError(f"{path}: a lone .npy file is one key of a directory dump: audit the "
+                        "directory that holds it (one .npy file per key), or an .npz or "
+                        ".safetensors file")
     raise DumpError(f"{path}: unknown dump container (expected .npz, .safetensors or a "
                     "directory of .npy files)")
