@@ -19,8 +19,11 @@ from .common import (EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS, SEED_RANGE, Progre
 @click.option("--mode", type=click.Choice(MODES), default="all", show_default=True,
               help="Real-KV hash mode of the workload (partial: one real-KV byte fault is "
                    "listed as not visible).")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
-@click.option("--seed", type=SEED_RANGE, default=0, show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+              help="Audit backend: numpy (the reference), cupy (the CUDA kernels), auto "
+                   "(cupy where a GPU is usable).")
+@click.option("--seed", type=SEED_RANGE, default=0, show_default=True,
+              help="Seed of the synthesised workload and its faults.")
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="Keep the clean and faulty dumps in this directory.")
 @click.option("--force", is_flag=True,
