@@ -26,3 +26,13 @@ def test_the_command_list_shows_whole_phrases():
         summary = line.strip()[len(name):].strip()
         assert summary.endswith(".") and "..." not in summary, line
         assert summary.count("(") == summary.count(")"), line
+
+
+def test_help_names_no_file_an_installed_package_lacks():
+    """An installed kvcanary has no benchmarks/, scripts/, tests/ or docs/ folder next to it."""
+    import re
+
+    for name, command in main.commands.items():
+        text = " ".join((p.help or "") for p in command.params if isinstance(p, click.Option))
+        text += command.help or ""
+        assert not re.search(r"\b(benchmarks|scripts|tests|docs)/", text), name
