@@ -84,3 +84,15 @@ def test_the_command_list_of_cli_md_names_every_command():
         encoding="utf-8"), re.S).group(1)
     listed = set(re.findall(r"^kvcanary (\w+)", block, re.M))
     assert listed == set(main.commands), sorted(set(main.commands) ^ listed)
+
+
+def test_install_lines_say_the_cpu_torch_first_and_one_install_for_every_extra():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    engines = (ROOT / "docs" / "engines.md").read_text(encoding="utf-8")
+    for text in (readme, engines):
+        flat = " ".join(text.split())
+        at = flat.index("[transformers]'")
+        assert "install torch's CPU build first" in flat[at:at + 400]
+        assert "`pip install 'torch==2.13.0+cpu'`" in flat
+        assert "replaces an editable install" in flat
+    assert "pip install '.[transformers]'" in engines   # the README's spelling, too
