@@ -137,7 +137,7 @@ def _verdict_lines(report: CampaignReport) -> list:
     failures = report.failures()
     if not failures:
         return ["PASS: every fault the canary is designed to see was detected (100%), "
-                "0 false positives"]
+                "0 false positives, no certain wrong cause"]
     lines = [f"FAIL: {len(failures)} target(s) missed"]
     lines += [f"- {f}" for f in failures[:MAX_REPORTED]]
     for miss in report.misses:
