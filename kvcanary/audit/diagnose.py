@@ -22,13 +22,20 @@ class _DumpTables:
 
     def __init__(self, d: Dump):
         self.dump = d
+        self._lengths = None   # live request row -> seq_len, made on first use
 
     def slot(self, row: int, position: int) -> int | None:
-        """The table's full slot (before any SWA translation), or None past the table."""
+        """The table's full slot (before any SWA translation), or None past the table or
+        past a live request's length (an entry there is a leftover, not the request's)."""
         d = self.dump
         table = d.slot_table
         column = position // d.block_size
         if not (0 <= row < table.shape[0] and 0 <= column < table.shape[1] and position >= 0):
+            return None
+        if self._lengths is None:
+            rows = np.asarray(d.req_pool_indices).tolist()
+            self._lengths = dict(zip(rows, np.asarray(d.seq_lens).tolist()))
+        if position >= self._lengths.get(row, position + 1):
             return None
         slot = int(table[row, column])
         if d.block_table is not None:
@@ -98,8 +105,8 @@ def diagnose_findings(tally: Tally, d: Dump, launcher: Launcher, live: LiveReque
     evidence.failing_slots, evidence.failing_bits = asked[tally.slot_bits[asked] != 0], \
         tally.slot_bits[asked][tally.slot_bits[asked] != 0].astype(np.int64)
     evidence.zero_entries, evidence.checked_entries = zero_entries, checked
-    stored = {(f.batch_index, f.position): f.violation.position for f in findings
-              if f.kind == "request"}
+    stored = {(f.batch_index, f.position): (f.violation.position, f.violation.stored_token)
+              for f in findings if f.kind == "request"}
     swa = d.full_to_swa_index_mapping is not None
     table = "req_to_token" if d.block_table is None else "block_table"
     tables = _DumpTables(d)

@@ -11,170 +11,35 @@ with every tag that saw it, its count and its first and last step.
 
 Reading is streamed line by line; memory grows with the distinct findings (at most
 :data:`MAX_DISTINCT`; rows of further ones are only counted), not with the log. Lines longer
-than :data:`MAX_LINE` characters are skipped (counted as unparsed).
+than :data:`MAX_LINE` characters are skipped (counted as unparsed when they look like
+violation output). A line that looks like a violation report and cannot be read is counted,
+never dropped: it is a reported violation all the same.
+
+Only a log that shows the canary ran can be clean: SGLang logs ``install_canary: ...`` when
+it installs the canary (``--kv-canary log`` or ``raise``), and its periodic ``[canary] step=``
+and sweep lines while it runs; ``kvcanary audit --format json`` a summary of the entries it
+checked.
+:attr:`Explanation.verdict` is ``no-canary-output`` for inputs without any of these.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 from ..findings.attribution import merge_key
-from ..format.consts import FailReason, LaunchTag
 from ..findings.diagnosis import Diagnosis, diagnose, failed_checks
 from ..findings.evidence import Entry
-from ..format.errors import ToolError
-from ..format.violations import Violation, reason_label
+from ..format.consts import FailReason
+from ..format.violations import Violation
+from .explain_parse import (  # noqa: F401  (the reading API, re-exported)
+    MAX_LINE, ExplainError, Marks, Overlong, Row, looks_like_violation, parse_json_record,
+    parse_structured, read_rows)
 
-MAX_LINE = 1 << 16
-# Lines after a structured line within which its block's last line must appear.
-BLOCK_LINES = 8
 # Distinct slots at one position from which that position is called a pattern.
 POSITION_SLOTS = 3
 # Distinct findings kept; rows of further new corruptions are counted, not kept (memory).
 MAX_DISTINCT = 100_000
-
-_STRUCTURED = re.compile(
-    r"kv_canary violation: launch_tag=(\S+) fail_reason=(\S+) slot_idx=(-?\d+) "
-    r"position=(-?\d+) stored_token=(-?\d+) expected_token=(-?\d+) "
-    r"stored_chain_hash=(0x[0-9a-fA-F]+) expected_aux=(0x[0-9a-fA-F]+)")
-_FOOTER = re.compile(r"total_violations=(\d+) ring_overflow=(True|False) "
-                     r"step_when_pumped=(-?\d+)")
-_LABEL_BITS = {reason_label(member): int(member) for member in FailReason}
-_UNKNOWN_TAG = re.compile(r"unknown\((-?\d+)\)")
-
-
-class ExplainError(ToolError):
-    """An input cannot be read (missing, a directory, not text)."""
-
-
-def _signed(hex_text: str) -> int:
-    value = int(hex_text, 16) & ((1 << 64) - 1)
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _tag_value(name: str) -> int | None:
-    if name in LaunchTag.__members__:
-        return int(LaunchTag[name])
-    match = _UNKNOWN_TAG.fullmatch(name)
-    return int(match.group(1)) if match else None
-
-
-def _bits(text: str) -> int | None:
-    if text == "none":
-        return 0
-    bits = 0
-    for label in text.split("+"):
-        if label in _LABEL_BITS:
-            bits |= _LABEL_BITS[label]
-        elif label.startswith("bit") and label[3:].isdigit():
-            bits |= 1 << int(label[3:])
-        else:
-            return None
-    return bits
-
-
-@dataclass
-class Row:
-    """One reported row: the violation and what its report adds."""
-
-    violation: Violation
-    source: str
-    line: int
-    step: int | None = None
-    total_violations: int | None = None
-    ring_overflow: bool = False
-    attribution: dict | None = None   # request_row, batch_index, ... from kvcanary JSON
-    json: bool = False                # a kvcanary JSON record (else a log block)
-
-
-def parse_structured(text: str) -> Violation | None:
-    """The violation of a frozen structured line found anywhere in ``text`` (None if none)."""
-    match = _STRUCTURED.search(text)
-    if not match:
-        return None
-    tag, reasons = _tag_value(match.group(1)), _bits(match.group(2))
-    if tag is None or reasons is None:
-        return None
-    slot, position, stored, expected = (int(match.group(i)) for i in range(3, 7))
-    return Violation(tag, slot, position, stored, expected, _signed(match.group(7)),
-                     _signed(match.group(8)), reasons)
-
-
-_JSON_KEYS = ("launch_tag", "slot_idx", "position", "stored_token", "expected_token",
-              "stored_chain_hash", "expected_aux", "fail_reason_bits")
-_ATTRIBUTION_KEYS = ("entry", "batch_index", "request_row", "expected_position", "prev_slot",
-                     "sweep_index", "block_index", "block", "dump")
-
-
-def parse_json_record(record) -> tuple | None:
-    """``(violation, step, attribution)`` of a kvcanary violation record (``audit --format
-    json``, :meth:`kvcanary.LaunchFinding.to_dict`, ``explain --format json``), else None."""
-    if not isinstance(record, dict) or record.get("record", "violation") != "violation":
-        return None
-    if not all(key in record for key in _JSON_KEYS):
-        return None
-    try:
-        tag = _tag_value(str(record["launch_tag"]))
-        hashes = [_signed(str(record[k])) if isinstance(record[k], str) else int(record[k])
-                  for k in ("stored_chain_hash", "expected_aux")]
-        values = [int(record[k]) for k in ("slot_idx", "position", "stored_token",
-                                             "expected_token", "fail_reason_bits")]
-    except (TypeError, ValueError):
-        return None
-    if tag is None:
-        return None
-    v = Violation(tag, values[0], values[1], values[2], values[3], hashes[0], hashes[1],
-                  values[4])
-    step = record.get("launch", record.get("first_step"))
-    step = step if isinstance(step, int) and not isinstance(step, bool) else None
-    attribution = {k: record[k] for k in _ATTRIBUTION_KEYS if k in record}
-    return v, step, attribution or None
-
-
-def read_rows(lines, source: str, on_unparsed=None):
-    """Every reported row of one input's ``lines`` (an iterable of str), in order."""
-    pending: list = []   # rows whose footer has not been seen yet: (row, lines left)
-    for number, line in enumerate(lines, 1):
-        if len(line) > MAX_LINE:
-            if on_unparsed:
-                on_unparsed()
-            continue
-        stripped = line.strip()
-        if stripped.startswith("{"):
-            try:
-                parsed = parse_json_record(json.loads(stripped))
-            except ValueError:
-                parsed = None
-            if parsed:
-                v, step, attribution = parsed
-                yield Row(v, source, number, step=step, attribution=attribution, json=True)
-                continue
-        if "kv_canary violation:" in line:
-            yield from (row for row, _ in pending)
-            pending = []
-            v = parse_structured(line)
-            if v is None:
-                if on_unparsed:
-                    on_unparsed()
-                continue
-            pending.append((Row(v, source, number), BLOCK_LINES))
-            continue
-        if pending:
-            footer = _FOOTER.search(line)
-            if footer:
-                row, _ = pending.pop()
-                row.total_violations = int(footer.group(1))
-                row.ring_overflow = footer.group(2) == "True"
-                row.step = int(footer.group(3))
-                yield row
-                continue
-            left = [(row, n - 1) for row, n in pending]
-            yield from (row for row, n in left if n <= 0)
-            pending = [(row, n) for row, n in left if n > 0]
-    yield from (row for row, _ in pending)
 
 
 def tag_family(tag: str) -> tuple:
@@ -259,9 +124,12 @@ class Pattern:
     text: str
     findings: tuple = ()
 
-    def to_dict(self) -> dict:
+    def to_dict(self, shown: int | None = None) -> dict:
+        """The JSON record; ``shown``: only the indices of the first ``shown`` findings (the
+        ones reported), with ``findings_total`` counting them all."""
+        kept = [i for i in self.findings if shown is None or i < shown]
         return {"record": "pattern", "pattern": self.kind, "text": self.text,
-                "findings": list(self.findings)}
+                "findings": kept, "findings_total": len(self.findings)}
 
 
 class Explanation:
@@ -279,16 +147,42 @@ class Explanation:
         self.max_total: dict = {}        # source -> largest total_violations reported
         self.overflow_sources: set = set()
         self.rows_not_kept = 0           # rows of new corruptions past MAX_DISTINCT
+        self.canary_marks = 0            # lines showing the canary ran (see the module doc)
+        self.verify_skipped = 0          # SGLang's "per-forward verify skipped" warnings
+        self.stats_violations: dict = {}  # source -> largest count of SGLang's stats lines
 
     def read(self, lines, source: str) -> None:
+        """Read one input's ``lines`` (str, or :class:`Overlong`) as ``source``."""
         if source not in self.sources:
             self.sources.append(source)
-
-        def unparsed():
-            self.unparsed += 1
-
-        for row in read_rows(lines, source, unparsed):
+        marks = Marks()
+        for row in read_rows(lines, source, marks=marks):
             self.add(row)
+        self.unparsed += marks.unparsed
+        self.canary_marks += marks.canary
+        self.verify_skipped += marks.verify_skipped
+        if marks.stats_violations:
+            self.stats_violations[source] = max(self.stats_violations.get(source, 0),
+                                                marks.stats_violations)
+
+    @property
+    def canary_output(self) -> bool:
+        """Whether the inputs show the canary ran: a mark, a violation row or an unparsed
+        violation line."""
+        return bool(self.canary_marks or self.rows or self.unparsed)
+
+    @property
+    def unlogged_violations(self) -> int:
+        """Violations SGLang's stats lines count in inputs that log no row of them."""
+        return sum(n for s, n in self.stats_violations.items() if not self.rows_by_source[s])
+
+    @property
+    def verdict(self) -> str:
+        """``violations`` (rows, unparsed violation lines, or violations the stats lines
+        count), ``clean`` (the canary ran and reported nothing), or ``no-canary-output``."""
+        if self.rows or self.unparsed or self.unlogged_violations:
+            return "violations"
+        return "clean" if self.canary_marks else "no-canary-output"
 
     def add(self, row: Row) -> None:
         v = row.violation
@@ -335,23 +229,39 @@ class Explanation:
     # ---------------------------------------------------------------- patterns
 
     def _head_tail(self, findings) -> Pattern | None:
+        """Records that failed in one stage's canary buffer only. SGLang keeps a HEAD and a
+        TAIL buffer, written for the same slots by every forward, and gives only the TAIL
+        launches real-KV sources: so rows are compared without their real-KV bit, and a
+        failure of the real-KV hash alone (which HEAD launches cannot see) is no
+        disagreement."""
         stages = {tag_family(t)[0] for t in self.tags}
         if not {"HEAD", "TAIL"} <= stages:
             return None
-        head_only, tail_only = [], []
+        real = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+        records: dict = {}   # the row's record and its non-real-KV checks -> stages, findings
         for i, f in enumerate(findings):
-            seen = {tag_family(t)[0] for t in f.launch_tags}
-            if "HEAD" in seen and "TAIL" not in seen:
-                head_only.append(i)
-            elif "TAIL" in seen and "HEAD" not in seen:
-                tail_only.append(i)
+            v = f.violation
+            bits = v.fail_reason_bits & ~real
+            if not bits:
+                continue
+            key = (v.slot_idx, bits, v.position, v.stored_token, v.stored_chain_hash)
+            seen, members = records.setdefault(key, (set(), []))
+            seen.update(tag_family(t)[0] for t in f.launch_tags)
+            members.append(i)
+        head_only = [i for seen, members in records.values()
+                     if "HEAD" in seen and "TAIL" not in seen for i in members]
+        tail_only = [i for seen, members in records.values()
+                     if "TAIL" in seen and "HEAD" not in seen for i in members]
         if not head_only and not tail_only:
             return None
         return Pattern("head-tail", (
-            f"head and tail disagree: {len(tail_only)} finding(s) seen only by TAIL launches "
-            f"and {len(head_only)} only by HEAD launches, though both kinds ran: the KV "
-            "changed between the head and tail verify of a forward (a truncated or reordered "
-            "layer transfer, or a write racing the forward)"), tuple(head_only + tail_only))
+            f"the HEAD and TAIL canary copies disagree: {len(head_only)} finding(s) failed "
+            f"only in the HEAD launches' buffer and {len(tail_only)} only in the TAIL "
+            "launches', though both ran: each stage has its own canary buffer and every "
+            "forward writes both for the same slots, so a table, allocator or write fault "
+            "shows in both; one copy failing alone was changed by a stray write into that "
+            "buffer (real-KV hash failures are left out: HEAD launches carry no real-KV "
+            "sources)"), tuple(sorted(head_only + tail_only)))
 
     def _pd_real_kv(self, findings) -> Pattern | None:
         if len(self.sources) < 2:

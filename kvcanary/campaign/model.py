@@ -30,20 +30,33 @@ class Cell:
     sites: int = 0              # sites that had to fire, over the visible faults
     multi_row: int = 0          # visible faults whose sites span two or more request rows
     fired: Counter = field(default_factory=Counter)   # label -> faults where it fired
+    # The diagnoses (kvcanary.campaign.causes): findings at the sites of visible faults,
+    # those naming the fault's cause, naming it or giving it as an alternative, stating
+    # another cause as certain; the other causes named; faults with findings, and those
+    # whose every finding names the cause.
+    diagnosed: int = 0
+    named: int = 0
+    named_or_alternative: int = 0
+    certain_wrong: int = 0
+    causes: Counter = field(default_factory=Counter)
+    faults_diagnosed: int = 0
+    faults_named: int = 0
+
+    _COUNTS = ("injected", "visible", "detected", "stray", "sites", "multi_row", "diagnosed",
+               "named", "named_or_alternative", "certain_wrong", "faults_diagnosed",
+               "faults_named")
 
     def add(self, other: "Cell") -> None:
-        self.injected += other.injected
-        self.visible += other.visible
-        self.detected += other.detected
-        self.stray += other.stray
-        self.sites += other.sites
-        self.multi_row += other.multi_row
+        for name in self._COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self.fired.update(other.fired)
+        self.causes.update(other.causes)
 
     def to_dict(self) -> dict:
-        return {"injected": self.injected, "visible": self.visible, "detected": self.detected,
-                "stray": self.stray, "sites": self.sites, "multi_row": self.multi_row,
-                "fired": dict(sorted(self.fired.items()))}
+        record = {name: getattr(self, name) for name in self._COUNTS}
+        record.update(fired=dict(sorted(self.fired.items())),
+                      other_causes=dict(sorted(self.causes.items())))
+        return record
 
 
 def cell_label(target: str, kind: str, mode: str, scope: str) -> str:
@@ -73,6 +86,7 @@ class CampaignReport:
     mix: Counter = field(default_factory=Counter)    # (setting, value) -> fault runs
     misses: list = field(default_factory=list)
     miss_count: int = 0
+    certain_wrong: list = field(default_factory=list)   # examples: a certain wrong cause
     # ("clean" | "prefault", backend, rules) -> [audits, violations]: clean runs, and fault
     # runs before their injection
     fp: dict = field(default_factory=dict)
@@ -137,6 +151,9 @@ class CampaignReport:
             if c.stray:
                 problems.append(f"{label}: {c.stray} faults the canary is not designed to see "
                                 "had findings at their target (faults interacting?)")
+            if c.certain_wrong:
+                problems.append(f"{label}: {c.certain_wrong} finding(s) at the faults' sites "
+                                "state a cause as certain that is not the fault's")
         for key in self.form.cells():
             injected = self.cell(self.backends[0], RULES[0], *key).injected
             if injected < self.faults_per_kind:
@@ -197,6 +214,9 @@ class CampaignReport:
                                 "total": self.false_positive_count,
                                 "examples": self.false_positives},
             "misses": {"count": self.miss_count, "examples": self.misses},
+            "certain_wrong_causes": {
+                "count": sum(c.certain_wrong for c in self.cells.values()),
+                "examples": self.certain_wrong},
             "clean_runs": {"replaced": self.clean_replaced,
                            "lacking_a_class": [i for i, _ in self.clean_missing],
                            "class_entries": dict(sorted(self.clean_census.items())),

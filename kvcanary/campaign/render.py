@@ -57,6 +57,41 @@ def class_rows(report: CampaignReport, backend: str, rules: str, targets=None) -
     return rows
 
 
+DIAGNOSIS_HEADER = ["fault kind", "true cause", "target", "designed to see", "detected",
+                    "findings at its sites", "naming the cause", "share",
+                    "naming it or as alternative", "certain and wrong",
+                    "faults wholly named", "other causes named"]
+
+
+def diagnosis_rows(report: CampaignReport, backend: str, rules: str) -> list:
+    """Detection and diagnosis side by side, per fault kind and target class (or pair
+    shape), over modes and scopes: ``DIAGNOSIS_HEADER`` columns."""
+    from .causes import TRUE_CAUSE
+
+    form = report.form
+    totals: dict = {}
+    for (b, r, target, kind, _, _), cell in report.cells.items():
+        if (b, r) == (backend, rules):
+            totals.setdefault((kind, target), Cell()).add(cell)
+    rows = []
+    for kind in form.kinds:
+        for target in form.targets + form.pair_shapes:
+            c = totals.get((kind, target))
+            if c is None or not c.visible:
+                continue
+            share = f"{100.0 * c.named / c.diagnosed:.1f}%" if c.diagnosed else "-"
+            either = (f"{100.0 * c.named_or_alternative / c.diagnosed:.1f}%"
+                      if c.diagnosed else "-")
+            others = ", ".join(f"{cause} {n}" for cause, n in
+                               sorted(c.causes.items(), key=lambda kv: (-kv[1], kv[0])))
+            rows.append([kind, f"`{TRUE_CAUSE.get(kind, '?')}`", target, str(c.visible),
+                         str(c.detected), str(c.diagnosed), str(c.named), share, either,
+                         str(c.certain_wrong) if target not in form.pair_shapes else "n/a",
+                         f"{c.faults_named}/{c.faults_diagnosed}",
+                         others or "-"])
+    return rows
+
+
 def _summary_lines(report: CampaignReport) -> list:
     r, form = report, report.form
     ran = ", ".join(r.backends)
@@ -102,7 +137,7 @@ def _verdict_lines(report: CampaignReport) -> list:
     failures = report.failures()
     if not failures:
         return ["PASS: every fault the canary is designed to see was detected (100%), "
-                "0 false positives"]
+                "0 false positives, no certain wrong cause"]
     lines = [f"FAIL: {len(failures)} target(s) missed"]
     lines += [f"- {f}" for f in failures[:MAX_REPORTED]]
     for miss in report.misses:
@@ -115,6 +150,12 @@ def _verdict_lines(report: CampaignReport) -> list:
             f"reproduce: {miss['reproduce']}")
     if report.miss_count > len(report.misses):
         lines.append(f"- ... {report.miss_count - len(report.misses)} more misses (see --format json)")
+    for wrong in report.certain_wrong:
+        lines.append(
+            f"- certain wrong cause for {wrong['kind']} at a {wrong['target']} entry (mode "
+            f"{wrong['mode']}, {wrong['backend']}, {wrong['rules']}): named {wrong['named']}, "
+            f"the fault is {wrong['true_cause']}; {wrong['finding']} at {wrong['at']}; "
+            f"reproduce: {wrong['reproduce']}")
     for fp in report.false_positives:
         lines.append(f"- false positive in {fp['where']} ({fp['backend']}, {fp['rules']}): "
                      f"{fp['violations']} violation(s), first {fp['first']} at {fp['at']}; "
@@ -125,7 +166,9 @@ def _verdict_lines(report: CampaignReport) -> list:
 def _markdown_table(header: list, rows: list) -> list:
     out = ["| " + " | ".join(header) + " |",
            "| " + " | ".join("---" if i == 0 or header[i] in ("fault kind", "mode", "status",
-                                                               "checks fired at the sites")
+                                                               "checks fired at the sites",
+                                                               "true cause", "target",
+                                                               "other causes named")
                              else "---:" for i in range(len(header))) + " |"]
     out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
     return out
@@ -150,6 +193,13 @@ def render_markdown(report: CampaignReport) -> str:
         for rules in RULES:
             out += ["", f"### {backend} backend, {RULE_WORDS[rules]}", ""]
             out += _markdown_table(HEADER, table_rows(report, backend, rules))
+    out += ["", f"### Diagnoses: {report.backends[0]} backend, {RULE_WORDS[RULES[0]]}", "",
+            "Each finding at a site where a visible fault must fire, counted under the cause "
+            "its diagnosis names; \"certain and wrong\" counts findings that state another "
+            "cause as certain (the campaign fails on any). Pair shapes are shown but not held "
+            "to that: where two faults reach one entry, the truth is both.", ""]
+    out += _markdown_table(DIAGNOSIS_HEADER, diagnosis_rows(report, report.backends[0],
+                                                            RULES[0]))
     out += ["", "### False positives", "",
             "| backend | rules | clean-run audits | violations | pre-injection audits | violations |",
             "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -185,6 +235,16 @@ def render_text(report: CampaignReport) -> str:
                 for row in class_rows(report, backend, rules, form.pair_shapes):
                     out.append(f"  {backend} {rules} {row[0]}: {row[1]} faults, {row[3]} of "
                                f"{row[2]} detected ({row[4]})")
+    certain_wrong = sum(c.certain_wrong for c in report.cells.values())
+    diagnosed = sum(c.diagnosed for (b, r, *_), c in report.cells.items()
+                    if (b, r) == (report.backends[0], RULES[0]))
+    named = sum(c.named for (b, r, *_), c in report.cells.items()
+                if (b, r) == (report.backends[0], RULES[0]))
+    if diagnosed:
+        out += ["", f"diagnoses ({report.backends[0]}, {RULES[0]} rules): {named} of "
+                f"{diagnosed} findings at the faults' sites name the fault's cause "
+                f"({100.0 * named / diagnosed:.1f}%); {certain_wrong} state a certain wrong "
+                "cause (any backend and rules)"]
     out += [""] + _verdict_lines(report)
     return "\n".join(out) + "\n"
 

@@ -20,6 +20,7 @@ from ..system.signals import WorkerPool
 from ..synth import MODES, SynthConfig, SynthError, Synthesis, faults_from_dump, score
 from ..synth.fault_kinds import PAIR_SHAPES
 from ..format.violations import reason_labels
+from .causes import TRUE_CAUSE, score_causes
 from .layouts import LAYOUTS, RULES, audit_command, designed, fault_scope, synth_command
 from .model import CLEAN_RUN_ATTEMPTS, MAX_REPORTED, CampaignError, CampaignReport, Cell
 
@@ -78,7 +79,8 @@ def run_fault_task(task: dict) -> dict:
     the plan on a copy of it and score its faults; runs in a worker process too."""
     config, backends = task["config"], task["backends"]
     out = {"index": task["index"], "cells": {}, "misses": [], "false_positives": [],
-           "errors": [], "fp": {}, "unattributed": 0, "injections": [], "targets": []}
+           "errors": [], "fp": {}, "unattributed": 0, "injections": [], "targets": [],
+           "certain_wrong": []}
     clean = _simulate(out, config)
     if clean is None:
         return out
@@ -123,6 +125,14 @@ def _score_injection(out: dict, config, backends, synthesis, done) -> None:
                 cell.sites += outcome.sites
                 cell.multi_row += outcome.request_rows >= 2
                 cell.fired.update(labels)
+                for f in score_causes(fault, result, cell, pair=fault.target in PAIR_SHAPES):
+                    out["certain_wrong"].append({
+                        "backend": backend, "rules": rules, "target": fault.target,
+                        "kind": fault.kind, "mode": mode, "true_cause": TRUE_CAUSE[fault.kind],
+                        "named": f.diagnosis.cause, "finding": f.violation.log_line(),
+                        "at": f.where(), "config": config, "inject": done,
+                        "reproduce": synth_command(config, done) + " && "
+                                     + audit_command(backend, rules)})
                 if outcome.detected:
                     cell.detected += 1
                 else:
@@ -302,6 +312,7 @@ def _fault_phase(report, runner, progress) -> None:
             _keep(report.errors, out["errors"])
             report.miss_count += len(out["misses"])
             _keep(report.misses, out["misses"])
+            _keep(report.certain_wrong, out["certain_wrong"])
             for key, cell in out["cells"].items():
                 backend, rules, *cell_key = key.split("|")
                 report.cells.setdefault((backend, rules, *cell_key), Cell()).add(cell)

@@ -187,7 +187,8 @@ def _named(paths: list) -> str:
 @click.option("-j", "--jobs", type=JOBS_RANGE, default=DEFAULT_AUDIT_JOBS,
               show_default=True,
               help="Processes auditing several dumps at once (1: one after another in this "
-                   "process, the fastest measured; benchmarks/bench_audit_jobs.py measures N).")
+                   "process, the fastest measured: each dump's audit is numpy work that "
+                   "already uses the cores it can).")
 @click.option("--html", "html", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Also write a self-contained HTML report (maps, findings table) here; "
                    "needs the report extra.")

@@ -28,7 +28,8 @@ from .interrupt import interrupted_record, on_interrupt, unwritten
               show_default=True,
               help="auto: numpy, plus cupy when a CUDA device is usable.")
 @click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json"]),
-              default="text", show_default=True)
+              default="text", show_default=True,
+              help="text; markdown (the tables of the coverage page); json (every cell).")
 @click.option("--out", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the report to this file instead of stdout.")
 @click.option("-j", "--jobs", type=JOBS_RANGE, default=None,

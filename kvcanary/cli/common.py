@@ -16,6 +16,8 @@ from kvcanary.synth import MAX_SEED
 from .interrupt import progressed
 
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
+# explain: the inputs were read but hold nothing the canary writes (not a clean result).
+EXIT_NO_CANARY_OUTPUT = 3
 ERROR_PREFIX = "kvcanary: error: "
 SEED_RANGE = click.IntRange(0, MAX_SEED)
 # -j: each worker is a process holding its own arrays; more than this is a typo, not a plan.

@@ -11,16 +11,19 @@ from kvcanary.backends.resolve import BACKENDS
 from kvcanary.synth import MODES
 from kvcanary.format.violations import reason_labels
 
-from .common import (EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS, SEED_RANGE, Progress,
-                     error_boundary, fail)
+from .common import (EXIT_CLEAN, EXIT_VIOLATIONS, SEED_RANGE, Progress,
+                     error_boundary, error_message, fail)
 
 
 @click.command("demo")
 @click.option("--mode", type=click.Choice(MODES), default="all", show_default=True,
               help="Real-KV hash mode of the workload (partial: one real-KV byte fault is "
                    "listed as not visible).")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
-@click.option("--seed", type=SEED_RANGE, default=0, show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+              help="Audit backend: numpy (the reference), cupy (the CUDA kernels), auto "
+                   "(cupy where a GPU is usable).")
+@click.option("--seed", type=SEED_RANGE, default=0, show_default=True,
+              help="Seed of the synthesised workload and its faults.")
 @click.option("--keep", type=click.Path(file_okay=False), default=None,
               help="Keep the clean and faulty dumps in this directory.")
 @click.option("--force", is_flag=True,
@@ -107,10 +110,9 @@ def _engine_demo(engine: str, seed: int) -> None:
 
     try:
         report = run_engine_demo(engine, seed=seed)
-    except ImportError as exc:
-        click.echo(f"kvcanary demo --engine {engine}: needs torch and transformers "
-                   f"(pip install 'kvcanary[transformers]'): {exc}", err=True)
-        sys.exit(EXIT_ERROR)
+    except ImportError as exc:   # the one error style: prefix, one line, exit 2
+        fail(f"demo --engine {engine} needs torch and transformers (pip install "
+             f"'kvcanary[transformers]'): {error_message(exc)}")
     clean, faulty = report.clean, report.faulty
     click.echo(f"kvcanary demo --engine {engine}: a tiny random Llama generating through "
                "continuous batching, guarded by kvcanary")

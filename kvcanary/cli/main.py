@@ -44,6 +44,18 @@ def info() -> None:
         click.echo(f"{key + ':':<22}{value}")
 
 
+# The command list of ``kvcanary --help``: one whole phrase each (click would cut the first
+# sentence of the docstring mid-word).
+SHORT_HELP = {
+    "demo": "Prove it: synthesise, audit clean, inject every fault, audit again.",
+    "synth": "Simulate serving and write its canary dump, optionally with faults.",
+    "audit": "Verify the canary of dumped KV caches; findings with their causes.",
+    "explain": "Read SGLang's --kv-canary log (and kvcanary JSON) back as findings.",
+    "campaign": "Detection coverage: thousands of faults, scored by kind and target.",
+    "smoke": "Compile the CUDA kernels and cross-check them on a GPU.",
+}
+info.short_help = "Versions, hash scheme, NVRTC source, GPU, kernel sources."
 for _command in (demo_command, synth_command, audit_command, explain_command, campaign_command,
                  smoke):
+    _command.short_help = SHORT_HELP[_command.name]
     main.add_command(interruptible(_command))

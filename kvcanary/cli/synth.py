@@ -33,7 +33,9 @@ def synth_options(function):
                      help="KV slots in the pool (slot 0 is padding)."),
         click.option("--max-running", type=int, default=16, show_default=True,
                      help="Requests running at once (the live requests of the dump)."),
-        click.option("--page-size", type=int, default=1, show_default=True),
+        click.option("--page-size", type=int, default=1, show_default=True,
+                     help="Allocator page in slots (the prefix cache's block: one page, or 16 "
+                          "tokens at page size 1)."),
         click.option("--block-size", type=int, default=0, show_default=True,
                      help="Simulate a paged engine with blocks of N slots (its pages) and "
                           "dump a block table; 0: a per-token req_to_token table."),
@@ -51,7 +53,8 @@ def synth_options(function):
                      help="Decode tokens per request, MIN..MAX."),
         click.option("--verify-every", type=int, default=8, show_default=True,
                      help="Run verify every N steps during the simulation (0: never)."),
-        click.option("--seed", type=SEED_RANGE, default=0, show_default=True),
+        click.option("--seed", type=SEED_RANGE, default=0, show_default=True,
+                     help="Seed of the workload (the same seed writes the same dump)."),
     ]
     for option in reversed(options):
         function = option(function)

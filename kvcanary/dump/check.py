@@ -23,10 +23,12 @@ class _Checker:
     def fail(self, key: str, message: str):
         raise DumpError(f"{self.path}: key {key}: {message}", key=key)
 
-    def get(self, key: str, *, required: bool):
+    def get(self, key: str, *, required: bool, because: str | None = None):
         if key not in self.values:
             if required:
-                raise DumpError(f"{self.path}: key {key}: missing (required by dump format v1)")
+                why = (f"required with {because}, which is present: add it or drop {because}"
+                       if because else "required by dump format v1")
+                raise DumpError(f"{self.path}: key {key}: missing ({why})", key=key)
             return None
         value = self.values[key]
         if value.dtype.kind in "OV" and not key.startswith("real_kv_"):
@@ -110,7 +112,10 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     array, as read from a container) as a :class:`Dump`, or :class:`DumpError`."""
     if VERSION_KEY not in values:
         missing = ", ".join(key for key in REQUIRED_KEYS if key not in values)
-        raise DumpError(f"{path}: not a kvcanary dump: it lacks the required key(s) {missing}")
+        raise DumpError(f"{path}: not a kvcanary dump: it lacks the required key(s) {missing} "
+                        f"(write dumps with kvcanary.dump.save, which adds {VERSION_KEY}; a "
+                        f"hand-made dump needs {VERSION_KEY} = {DUMP_VERSION} too: "
+                        "docs/dump-format.md lists every key)")
     values = widen(values)
     c = _Checker(path, values)
     version = c.scalar_int(VERSION_KEY, c.get(VERSION_KEY, required=True))
@@ -274,9 +279,10 @@ def _load_swa(c: _Checker, dump: Dump) -> None:
 
 def _load_expected(c: _Checker, dump: Dump, bs: int) -> None:
     pool = c.get("expected_tokens", required=False)
-    lens = c.get("expected_tokens_valid_lens", required=pool is not None)
+    lens = c.get("expected_tokens_valid_lens", required=pool is not None,
+                 because="expected_tokens")
     if lens is not None and pool is None:
-        c.get("expected_tokens", required=True)
+        c.get("expected_tokens", required=True, because="expected_tokens_valid_lens")
     if pool is None:
         return
     dump.expected_tokens = c.integer("expected_tokens", pool, (np.int32, np.int64), 2,

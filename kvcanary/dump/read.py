@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .model import DumpError, flavour_of, is_read_key
+from .model import VERSION_KEY, DumpError, check_key_names, flavour_of, is_read_key
 
 
 # safetensors dtype names numpy can represent; others are read as raw bytes.
@@ -100,6 +100,7 @@ def _read_npz(path: str) -> dict:
             name = info.filename.removesuffix(".npy")
             key = shown_name(name)
             if not is_read_key(name):
+                values.setdefault(_UNKNOWN, []).append(key)
                 continue
             with _reading(f"{path}: key {key}: cannot read"):
                 with archive.open(info) as member:
@@ -254,6 +255,7 @@ def _read_dir_files(path: str, through: str) -> dict:
             _require_inside(path, through, name, shown, key)
             _require_regular(file, shown, key)
             if not is_read_key(raw_key):
+                values.setdefault(_UNKNOWN, []).append(key)
                 continue
             with open(file, "rb") as handle:
                 shape, dtype, header, nbytes = _npy_layout(handle)
@@ -284,6 +286,7 @@ def _read_safetensors(path: str) -> dict:
                     values[key] = np.array(value)
             for key in handle.keys():
                 if not is_read_key(key):
+                    values.setdefault(_UNKNOWN, []).append(shown_name(key))
                     continue
                 info = header[key]
                 if info["dtype"] in _SAFETENSORS_NUMPY:
@@ -360,8 +363,22 @@ def _require_inside(path: str, through: str, name: str, shown: str, key: str) ->
                         "directory dump's files live in it")
 
 
+# Where a reader notes the keys it skipped unread (a key no string can be).
+_UNKNOWN = object()
+
+
 def read_raw(path) -> tuple[str, dict]:
-    """``(flavour, {key: array})`` without validation."""
+    """``(flavour, {key: array})`` without validation, except that a kvcanary dump (one with
+    the version key) holding a key the format does not define is refused, with the nearest
+    name: a misspelt optional key would otherwise be skipped and the audit check less."""
+    flavour, values = _read_raw(path)
+    unknown = values.pop(_UNKNOWN, [])
+    if unknown and VERSION_KEY in values:
+        check_key_names(str(path), unknown[:1])
+    return flavour, values
+
+
+def _read_raw(path) -> tuple[str, dict]:
     path = str(path)
     try:
         os.stat(path)
@@ -376,5 +393,9 @@ def read_raw(path) -> tuple[str, dict]:
         return flavour, _read_safetensors(path)
     if flavour == "npz":
         return flavour, _read_npz(path)
+    if path.endswith(".npy"):
+        raise DumpError(f"{path}: a lone .npy file is one key of a directory dump: audit the "
+                        "directory that holds it (one .npy file per key), or an .npz or "
+                        ".safetensors file")
     raise DumpError(f"{path}: unknown dump container (expected .npz, .safetensors or a "
                     "directory of .npy files)")

@@ -132,7 +132,7 @@ def attribute(context, plan, *, req_pool_indices, prefix_lens, swa_window_size: 
             entry = Entry(kind="request", batch_index=b, request_row=int(batch_rows[b]),
                           position=p, prev_slot=int(prevs[index]),
                           **_blocks(table, block_size, int(batch_rows[b]), p))
-            stored[(b, p)] = row[2]
+            stored[(b, p)] = (row[2], row[3])   # the stored position and token
         entries.append((Violation(*row), entry))
     found = []
     for v, entry in entries:

@@ -23,7 +23,7 @@ from ..format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN,
                            VERIFY_TOKEN_MISMATCH as _TOKEN, WRITE_MISMATCH as _WRITE,
                            SLOT_OUT_OF_RANGE as _OUT, SLOT_ZERO_IN_PREFIX as _ZERO_SLOT)
 from .causes import Cause
-from .evidence import CHAIN_HEAD_INT64, Entry, Evidence
+from .evidence import CHAIN_HEAD_INT64, Entry, Evidence, predecessor_changed
 from ..format.violations import Violation
 
 CHECK_WORDS = {
@@ -171,8 +171,8 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
              swapped_with=None, tables=None) -> Diagnosis:
     """The cause of one ring row ``v`` read at ``entry`` (None: only the row is known),
     cross-referenced with ``evidence`` (None: no tables). ``swapped_with(batch_index,
-    position)`` may return the stored position a row at that entry reports (or None): it
-    tells a swap from a shift; ``tables`` (an object with ``slot(request_row, position)``,
+    position)`` may return the stored position a row at that entry reports, or
+    ``(position, token)`` (or None): it tells a swap from a shift; ``tables`` (an object with ``slot(request_row, position)``,
     the table's entry before any SWA translation, and ``token(request_row, position)``, the
     expected token; each None when unknown) ties a record to the request's own chain
     outside the verified window.
@@ -210,8 +210,7 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
     if owner_refs and own and bits & _POSITION and entry.kind == "request":
         # The record is on this request's own chain too (a prefix it shares with the
         # owner): a swap, or a shift onto a slot this request itself maps at that position.
-        swapped = swapped_with is not None and swapped_with(
-            entry.batch_index, v.position) == entry.position
+        swapped = _swapped(v, entry, swapped_with, tables)
         shares = tables is not None and tables.slot(entry.request_row, v.position) == \
             tables.slot(owner_refs[0]["request_row"], v.position)
         if swapped or shares:
@@ -225,7 +224,7 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
             f"references it.{real_kv}"), related=owner_refs)
     if bits & _POSITION:
         return _position(v, entry, evidence, parent_refs, parent_same, swapped_with, real_kv,
-                         tables)
+                         tables, swa)
     if bits & _TOKEN:
         if bits & _CHAIN:
             return Diagnosis("record-changed", (
@@ -305,9 +304,31 @@ def _own_token(v: Violation, entry: Entry, tables) -> bool:
             and tables.token(entry.request_row, v.position) == v.stored_token)
 
 
-def _shifted(v, entry: Entry, swapped_with, real_kv, related=(), certain=True) -> Diagnosis:
+def _partner(swapped_with, batch_index: int, q: int) -> tuple:
+    """``(stored position, stored token)`` reported at this request's entry ``q`` (either
+    None when unknown); ``swapped_with`` may return the position alone."""
+    found = swapped_with(batch_index, q) if swapped_with else None
+    if isinstance(found, tuple):
+        return found
+    return found, None
+
+
+def _swapped(v: Violation, entry: Entry, swapped_with, tables) -> bool:
+    """Whether this request's entry at the stored position reads this entry's own record: a
+    swap. Its stored position alone is not enough (two faults on one request's table can
+    make it so): where the tokens are known, the record it reads must hold this request's
+    token of this entry's position."""
+    position, token = _partner(swapped_with, entry.batch_index, v.position)
+    if position != entry.position:
+        return False
+    own = tables.token(entry.request_row, entry.position) if tables is not None else None
+    return token is None or own is None or token == own
+
+
+def _shifted(v, entry: Entry, swapped_with, real_kv, related=(), certain=True,
+             alternatives=("overwritten",)) -> Diagnosis:
     s, p, q = v.slot_idx, entry.position, v.position
-    stored = swapped_with(entry.batch_index, q) if swapped_with else None
+    stored = _partner(swapped_with, entry.batch_index, q)[0]
     how = (f"swapped with position {q} (whose entry reads position {p}'s record)"
            if stored == p else f"shifted by {q - p:+d}")
     whose = "this request's own" if entry.kind == "request" else "the same cached chain's"
@@ -318,11 +339,11 @@ def _shifted(v, entry: Entry, swapped_with, real_kv, related=(), certain=True) -
         "head, with this request's token"
     ) + f"): the mapping is {how} — the table entry for position {p} points at the slot of "
         f"position {q}.{real_kv}", certain=certain,
-        alternatives=() if certain else ("overwritten",), related=tuple(related[:1]))
+        alternatives=() if certain else tuple(alternatives), related=tuple(related[:1]))
 
 
 def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv,
-              tables=None) -> Diagnosis:
+              tables=None, swa: bool = False) -> Diagnosis:
     s, p, q = v.slot_idx, entry.position, v.position
     bits = int(v.fail_reason_bits)
     if entry.kind == "unknown":   # a log row alone: it does not carry the expected position
@@ -368,26 +389,39 @@ def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv,
         # No verified record continues into it (its predecessor left the window), but it
         # holds this request's own token of position q.
         return _shifted(v, entry, swapped_with, real_kv)
+    if (bits & (_CHAIN | _TOKEN) == 0 and v.expected_token == EXPECTED_TOKEN_UNKNOWN
+            and ev is not None and entry.prev_slot > 0
+            and ev.bits_at(entry.prev_slot) & _POSITION):
+        # The link passes because the predecessor's record moved along with this one (a
+        # displaced range: a remapped block); with no token check nothing ties the range to
+        # this chain, and a changed position field alone would not move the predecessor.
+        return _shifted(v, entry, swapped_with, real_kv, certain=False,
+                        alternatives=("position-changed", "overwritten"))
     if bits & (_CHAIN | _TOKEN) == 0:
         token = "token" if v.expected_token != EXPECTED_TOKEN_UNKNOWN else "token (unchecked)"
         # A passing link ties a non-head record to this entry's predecessor; a chain head
-        # with no token check could as well be another sequence's head written here.
-        certain = v.expected_token != EXPECTED_TOKEN_UNKNOWN or entry.prev_slot >= 0
+        # with no token check could as well be another sequence's head written here, and a
+        # predecessor in slot 0 (a freed SWA slot) makes the link check vacuous.
+        certain = v.expected_token != EXPECTED_TOKEN_UNKNOWN or entry.prev_slot > 0
         return Diagnosis("position-changed", (
             f"slot {s} holds position {q} where {_where(entry)} expects {p}, with the {token} "
             f"and chain link of this entry: the stored position changed after the write"
             + ("" if certain else "; without a token check this could also be a record "
                "written at position {q} by another sequence (ambiguous)".format(q=q))
             + f".{real_kv}"), certain=certain,
-            alternatives=() if certain else ("overwritten",))
-    certain = ev is not None and ev.has_records
+            alternatives=() if certain else ("overwritten", "shifted-mapping"))
+    # No verified record continuing into it proves nothing under a sliding window: the
+    # predecessor's slot may be freed and unverified, so a record of this very chain fits.
+    certain = ev is not None and ev.has_records and not swa
     return Diagnosis("overwritten", (
         f"slot {s} holds a record of position {q} that no live request's chain continues, "
         f"where {_where(entry)} expects position {p}: the slot was freed and rewritten by "
         "another sequence while this request still maps it (a stale reuse, e.g. an evicted "
         "block), or the table entry points at a stale slot"
-        + ("" if certain else " (no records to cross-reference: a shift or a double "
-           "allocation fits too)") + f".{real_kv}"), certain=certain,
+        + ("" if certain else (" (a sliding window leaves the record's predecessor "
+                               "unverified: a shift or a double allocation fits too)" if swa
+                               else " (no records to cross-reference: a shift or a double "
+                               "allocation fits too)")) + f".{real_kv}"), certain=certain,
         alternatives=() if certain else ("shifted-mapping", "shared-slot"))
 
 
@@ -398,13 +432,24 @@ def _chain_only(v: Violation, entry: Entry, ev, real_kv) -> Diagnosis:
             f"the chain head at position {entry.position} (slot {s}) does not start from the "
             "anchor: its chain link changed after the write, or it was written as the "
             f"continuation of another sequence.{real_kv}"))
-    if ev is None or entry.prev_slot <= 0:
+    changed = None if ev is None or entry.prev_slot <= 0 else predecessor_changed(
+        ev, entry.prev_slot)
+    if changed is None:
         return Diagnosis("predecessor-changed", (
             f"only the chain link of slot {s} fails (token and position right): the record at "
             f"{_prev_where(entry)} changed or was remapped after this token was written, or "
             f"this record's own chain link was altered.{real_kv}"), certain=False,
             alternatives=("link-changed",))
-    if _predecessor_changed(ev, entry.prev_slot):
+    if not changed and ev.prev_of(entry.prev_slot) == 0 and not ev.bits_at(entry.prev_slot):
+        # The predecessor looks intact, but its own chain check was vacuous (its predecessor
+        # in slot 0: a freed SWA slot), so a change of its link would not show.
+        return Diagnosis("link-changed", (
+            f"only the chain link of slot {s} fails (token and position right) and the record "
+            f"at {_prev_where(entry)} shows no finding, but its own chain check could not run "
+            "(its predecessor's slot is freed): this record's stored chain link changed after "
+            f"the write, or the predecessor's did.{real_kv}"), certain=False,
+            alternatives=("predecessor-changed",))
+    if changed:
         return Diagnosis("predecessor-changed", (
             f"only the chain link of slot {s} fails (token and position right) and "
             f"{_prev_where(entry)} has a finding of its own: the predecessor's record changed "
@@ -413,34 +458,6 @@ def _chain_only(v: Violation, entry: Entry, ev, real_kv) -> Diagnosis:
         f"only the chain link of slot {s} fails (token and position right) while the record "
         f"at {_prev_where(entry)} is intact: this record's stored chain link changed after "
         f"the write.{real_kv}"))
-
-
-# Chain-only findings followed back from one row at most.
-CHAIN_WALK = 64
-
-
-def _predecessor_changed(ev: Evidence, prev: int) -> bool:
-    """Whether the record at ``prev`` changed (so a chain-only row after it follows from it).
-
-    A content finding (token or position) there changed it. A chain-only finding there is
-    either its own link field changed (which changes ours) or the victim of its own
-    predecessor: along a run of chain-only findings, owners and victims alternate from the
-    first record before the run (a content change starts with a victim, an intact record
-    with an owner)."""
-    content = _TOKEN | _POSITION
-    run, slot = 0, prev
-    while run < CHAIN_WALK and slot > 0:
-        bits = ev.bits_at(slot)
-        if bits & content or not bits & _CHAIN:
-            break
-        run += 1
-        slot = ev.prev_of(slot)
-    if run == 0:
-        return bool(slot > 0 and ev.bits_at(slot) & content)
-    base_changed = slot > 0 and bool(ev.bits_at(slot) & content)
-    # The run's records from the base: with a changed base the first is a victim, so the
-    # predecessor (the run's last) changed iff the run's length is even; else iff odd.
-    return run % 2 == (0 if base_changed else 1)
 
 
 def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..format.consts import FailReason
 from ..format.hashing import CHAIN_HEAD, link_inplace
 
 # The chain head as the int64 a ring row holds.
@@ -178,3 +179,39 @@ def record_links(records: np.ndarray) -> np.ndarray:
     chain = rec[:, 2].copy().view(np.uint64)
     link_inplace(chain, rec[:, 0].copy().view(np.uint64), rec[:, 1].copy().view(np.uint64))
     return chain.view(np.int64)
+
+
+# Chain-only findings followed back from one row at most.
+CHAIN_WALK = 64
+
+
+def predecessor_changed(ev: Evidence, prev: int) -> bool | None:
+    """Whether the record at ``prev`` changed (so a chain-only row after it follows from it).
+
+    A content finding (token or position) there changed it. A chain-only finding there is
+    either its own link field changed (which changes ours) or the victim of its own
+    predecessor: along a run of chain-only findings, owners and victims alternate from the
+    first record before the run (a content change starts with a victim, an intact record
+    with an owner). None when the run's first record is not in the evidence."""
+    chain = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+    content = int(FailReason.VERIFY_TOKEN_MISMATCH | FailReason.VERIFY_POSITION_MISMATCH)
+    run, slot, last = 0, prev, prev
+    while run < CHAIN_WALK and slot > 0:
+        bits = ev.bits_at(slot)
+        if bits & content or not bits & chain:
+            break
+        run += 1
+        last, slot = slot, ev.prev_of(slot)
+    if run == 0:
+        return bool(slot > 0 and ev.bits_at(slot) & content)
+    head = slot < 0 and bool((ev.slots == last).any())   # the run reached a chain head
+    if (slot <= 0 and not head) or run >= CHAIN_WALK or (slot > 0 and ev.prev_of(slot) == 0
+                                                         and not ev.bits_at(slot) & content):
+        # The run starts at a record the evidence cannot vouch for (one it does not hold, or
+        # one whose own chain check was vacuous), or beyond the walk: its parity, and so
+        # who owns the change, is unknown.
+        return None
+    base_changed = slot > 0 and bool(ev.bits_at(slot) & content)
+    # The run's records from the base: with a changed base the first is a victim, so the
+    # predecessor (the run's last) changed iff the run's length is even; else iff odd.
+    return run % 2 == (0 if base_changed else 1)

@@ -46,14 +46,18 @@ def require_renderer() -> None:
     _environment()
 
 
-def _cell(value) -> str:
+def _cell(value, nested: bool = False) -> str:
+    """A value in words: lists and dicts (a diagnosis's ``related`` entries) as words too,
+    never as a Python repr; a dict inside a list in parentheses."""
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, (list, tuple)):
-        return ", ".join(str(v) for v in value)
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {v}" for k, v in value.items())
-    return "" if value is None else str(value)
+        text = ", ".join(_cell(v, True) for v in value)
+    elif isinstance(value, dict):
+        text = ", ".join(f"{str(k).replace('_', ' ')} {_cell(v)}" for k, v in value.items())
+    else:
+        return "" if value is None else str(value)
+    return f"({text})" if nested and text else text
 
 
 def _table(findings: list) -> dict:

@@ -299,3 +299,41 @@ def test_a_write_row_at_a_known_position_says_which_input_is_off():
     assert "input id 7 at position 39 is not the request's token 5" in \
         diagnose(token, Entry(position=39)).text
     assert diagnose(off).cause == "write-input" and "write-path check" in diagnose(off).text
+
+
+def test_table_entries_past_a_request_length_are_not_its_own_chain(tmp_path):
+    """A request's table row past its length holds leftovers (here: the slots of another
+    request with the same prefix). An alias of its last entry onto that other request's slot
+    is that request's slot (shared-slot), not a certain shift onto the request's own record
+    read through a leftover entry."""
+    import kvcanary as kc
+    from kvcanary.audit import audit
+    from kvcanary.dump import load, save
+
+    canary = np.zeros((32, 32), np.uint8)
+    context = kc.CanaryContext(
+        canary, kernel_kind=kc.LaunchTag.TAIL_K_FULL, violation_log=kc.ViolationLog.allocate(8),
+        slot_run_counter=np.zeros(1, np.int64), kernel_run_counter=np.zeros(1, np.int64))
+    tokens = np.array([11, 12, 13, 14, 15, 16, 17, 18], np.int64)
+    table = np.zeros((3, 8), np.int32)
+    table[1] = np.arange(10, 18)                      # request A: 8 tokens
+    table[2, :4] = np.arange(20, 24)                  # request B: the same first 4 tokens
+    for row, n in ((1, 8), (2, 4)):
+        vp, wp = kc.VerifyPlan.allocate(16), kc.WritePlan.allocate(1)
+        kc.plan(req_pool_indices=np.array([row]), prefix_lens=np.array([0]),
+                extend_seq_lens=np.array([n]), req_to_token=table, verify_plan=vp, write_plan=wp)
+        kc.write(context, wp, input_ids=tokens[:n], positions=np.arange(n, dtype=np.int64),
+                 out_cache_loc=table[row, :n].astype(np.int64))
+    table[2, 4:] = np.arange(14, 18)                  # leftovers past B's length: A's slots
+    table[2, 3] = 16                                  # the fault: B's last entry -> A's position 6
+    pool = np.zeros((3, 8), np.int32)
+    pool[1], pool[2, :4] = tokens, tokens[:4]
+    path = save(str(tmp_path / "d.npz"), canary=canary, req_to_token=table,
+                req_pool_indices=np.array([1, 2], np.int64), seq_lens=np.array([8, 4], np.int64),
+                expected_tokens=pool, expected_tokens_valid_lens=np.array([8, 4], np.int64))
+    result = audit(load(path), backend="numpy", max_findings=0)
+    (finding,) = [f for f in result.findings if (f.request_row, f.position) == (2, 3)]
+    assert finding.violation.slot_idx == 16 and finding.violation.position == 6
+    d = finding.diagnosis
+    assert d.cause == "shared-slot" or not d.certain, (d.cause, d.text)
+    assert d.cause == "shared-slot"

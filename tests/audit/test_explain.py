@@ -25,38 +25,70 @@ def records(output: str) -> list:
 
 
 def test_repeated_blocks_merge_into_distinct_findings_with_tags_counts_and_steps():
-    out = explain(DATA / "decode.log", "--format", "json")
+    out = explain(DATA / "decode.log", "--format", "json", "--max-findings", "0")
     assert out.exit_code == 1
     rs = records(out.output)
     assert rs[0] == {"record": "config", "command": "explain", "inputs": [str(DATA / "decode.log")]}
     findings = [r for r in rs if r["record"] == "violation"]
     summary = rs[-1]
-    assert summary["record"] == "summary" and summary["violations"] == 48
-    assert summary["distinct_findings"] == len(findings) == 9
-    overwritten = findings[0]
-    assert (overwritten["slot_idx"], overwritten["position"], overwritten["count"]) == (4, 77, 12)
-    assert overwritten["launch_tags"] == ["HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL",
-                                          "TAIL_V_FULL"]
-    assert (overwritten["first_step"], overwritten["last_step"]) == (2, 4)
-    assert overwritten["diagnosis"]["cause"] == "overwritten"
-    assert not overwritten["diagnosis"]["certain"]   # a log row alone is ambiguous: it says so
-    assert sum(f["count"] for f in findings) == 48
-    assert summary["counts_by_tag"] == {"HEAD_K_FULL": 12, "HEAD_V_FULL": 12,
-                                        "TAIL_K_FULL": 12, "TAIL_V_FULL": 12}
+    assert summary["record"] == "summary" and summary["violations"] == 160
+    assert summary["distinct_findings"] == len(findings) == 12
+    assert summary["verdict"] == "violations" and summary["canary_output"]
+    # The rewritten slot: both stages see the record, only TAIL (with real-KV sources) its KV.
+    head, tail = (f for f in findings if (f["slot_idx"], f["position"]) == (4, 77))
+    assert head["launch_tags"] == ["HEAD_K_FULL", "HEAD_V_FULL"] and head["count"] == 12
+    assert tail["launch_tags"] == ["TAIL_K_FULL", "TAIL_V_FULL"] and tail["count"] == 11
+    assert "verify_real_kv_hash" not in head["fail_reason"]
+    assert "verify_real_kv_hash" in tail["fail_reason"]
+    assert (head["first_step"], head["last_step"]) == (2, 7)
+    assert head["diagnosis"]["cause"] == tail["diagnosis"]["cause"] == "overwritten"
+    assert not head["diagnosis"]["certain"]   # a log row alone is ambiguous: it says so
+    assert sum(f["count"] for f in findings) == 160
+    assert summary["counts_by_tag"] == {"HEAD_K_FULL": 46, "HEAD_V_FULL": 42,
+                                        "TAIL_K_FULL": 38, "TAIL_V_FULL": 34}
 
 
 def test_patterns_head_tail_one_position_and_ring_overflow():
-    out = explain(DATA / "decode.log", "--format", "json")
+    out = explain(DATA / "decode.log", "--format", "json", "--max-findings", "0")
     rs = records(out.output)
     patterns = {r["pattern"]: r for r in rs if r["record"] == "pattern"}
     assert set(patterns) == {"head-tail", "one-position", "ring-overflow"}
     findings = [r for r in rs if r["record"] == "violation"]
-    (tail_only,) = [findings[i] for i in patterns["head-tail"]["findings"]]
-    assert tail_only["launch_tags"] == ["TAIL_V_FULL"] and tail_only["fail_reason"] == "verify_real_kv_hash"
+    # Only the stray write into the HEAD K buffer (step 6) is a disagreement of the copies;
+    # neither the rewritten slot (real-KV bit only in TAIL rows) nor the V byte changed
+    # between steps (real-KV only) are.
+    stray = [findings[i] for i in patterns["head-tail"]["findings"]]
+    assert {(f["slot_idx"], f["position"]) for f in stray} == {(7, 6), (8, 7)}
+    assert all(f["launch_tags"] == ["HEAD_K_FULL"] for f in stray)
+    assert "stray write into that buffer" in patterns["head-tail"]["text"]
+    assert "changed between the head and tail verify" not in out.output
     assert {findings[i]["position"] for i in patterns["one-position"]["findings"]} == {5}
     assert "lower bound" in patterns["ring-overflow"]["text"]
     summary = rs[-1]
-    assert summary["ring_overflow"] and summary["total_violations_reported"] == 49
+    assert summary["ring_overflow"] and summary["total_violations_reported"] == 172
+
+
+def test_every_head_row_in_a_fixture_has_only_checks_a_head_launch_can_make():
+    """SGLang gives its HEAD launches no real-KV sources (they run before the forward writes
+    the new tokens' KV): a HEAD row can never carry the real-KV hash bit."""
+    from kvcanary.consts import FailReason
+    from kvcanary.audit.explain import read_rows
+
+    real = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+    heads = 0
+    for log in sorted(DATA.glob("*.log")):
+        for row in read_rows(log.read_text().splitlines(), log.name):
+            if row.violation.launch_tag.startswith("HEAD_"):
+                heads += 1
+                assert not row.violation.fail_reason_bits & real, (log.name, row.line)
+    assert heads > 0
+
+
+def test_every_fixture_log_shows_the_canary_was_installed():
+    for log in sorted(DATA.glob("*.log")):
+        first = log.read_text().splitlines()[0]
+        assert "install_canary: disaggregation_mode=" in first, log.name
+        assert "config=CanaryConfig(mode=<CanaryMode.LOG: 'log'>" in first, log.name
 
 
 def test_real_kv_failures_on_one_side_of_a_prefill_decode_pair():
@@ -69,7 +101,7 @@ def test_real_kv_failures_on_one_side_of_a_prefill_decode_pair():
 def test_text_report_is_bounded_and_labels_per_check_counts():
     out = explain(DATA / "decode.log", "--max-findings", "2")
     assert "finding 2:" in out.output and "finding 3:" not in out.output
-    assert "the first 2 of 9 are shown" in out.output
+    assert "the first 2 of 12 are shown" in out.output
     assert "counted per check over rows" in out.output
 
 
@@ -81,10 +113,11 @@ def test_stdin_with_other_text_and_a_clean_log():
     assert clean.exit_code == 0 and "summary: CLEAN" in clean.output
 
 
-def test_missing_input_is_one_error_line_and_exit_2(tmp_path):
+def test_missing_input_is_one_error_line_and_exit_2_with_no_summary(tmp_path):
     out = explain(tmp_path / "nope.log", DATA / "pd-decode.log")
     assert out.exit_code == 2 and "Traceback" not in out.output
     assert f"kvcanary: error: {tmp_path / 'nope.log'}: No such file" in out.output
+    assert "summary" not in out.output and "CLEAN" not in out.output
 
 
 def test_an_overlong_line_is_skipped_and_counted(tmp_path):
@@ -121,7 +154,7 @@ def test_every_fixture_block_parses_with_its_footer():
     text = (DATA / "decode.log").read_text()
     x.read(text.splitlines(keepends=True), "decode.log")
     assert x.rows == text.count("kv_canary violation:") and x.unparsed == 0
-    assert x.max_total == {"decode.log": 49}
+    assert x.max_total == {"decode.log": 172}
     line = next(line for line in text.splitlines() if "kv_canary violation:" in line)
     v = parse_structured(line)
     assert v.log_line() in line   # kvcanary's rendering of the row is SGLang's, byte for byte
@@ -174,8 +207,8 @@ def test_html_report_keeps_the_exit_code_and_holds_every_finding(tmp_path):
     result = CliRunner().invoke(main, ["explain", str(DATA / "decode.log"), "--html", str(page)])
     assert result.exit_code == 1 and f"html report: {page}" in result.output
     text = page.read_text()
-    assert text.count("<tr data-reasons=") == 9     # 48 rows, 9 distinct findings
-    assert "pattern head-tail:" in text and "49 violations reported, 48 rows logged" in text
+    assert text.count("<tr data-reasons=") == 12     # 160 rows, 12 distinct findings
+    assert "pattern head-tail:" in text and "172 violations reported, 160 rows logged" in text
 
 
 def test_html_without_the_extra_is_one_error_before_reading(tmp_path, monkeypatch):

@@ -253,3 +253,67 @@ def test_help_says_how_long_the_default_campaign_takes():
     result = CliRunner().invoke(main, ["campaign", "--help"])
     assert result.exit_code == 0
     assert "about ten minutes" in " ".join(result.output.split())
+
+
+def _diagnosis_totals(report, rules="kvcanary"):
+    from kvcanary.campaign.model import Cell
+
+    totals = {}
+    for (backend, r, target, kind, _, _), cell in report.cells.items():
+        if (backend, r) == ("numpy", rules):
+            totals.setdefault(kind, Cell()).add(cell)
+    return totals
+
+
+def test_every_certain_diagnosis_at_a_fault_names_its_true_cause(report):
+    """Over the whole campaign, both rule sets: a finding at a fault's site that says its
+    cause is certain names the fault's cause (pairs, where two faults meet, aside)."""
+    from kvcanary.campaign.causes import TRUE_CAUSE
+
+    assert sum(c.certain_wrong for c in report.cells.values()) == 0, report.certain_wrong
+    for rules in RULES:
+        totals = _diagnosis_totals(report, rules)
+        for kind in PER_TOKEN.kinds:
+            assert kind in TRUE_CAUSE, kind
+            if totals[kind].visible:   # (slot-zero is invisible under --compat)
+                assert totals[kind].diagnosed > 0 and totals[kind].named > 0, (kind, rules)
+
+
+def test_the_campaign_renders_its_own_diagnosis_table(report):
+    text = render(report, "markdown")
+    assert "### Diagnoses: numpy backend, kvcanary rules" in text
+    row = next(line for line in text.splitlines()
+               if line.startswith("| token | `wrong-token` | interior |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    c = report.cells
+    interior = [cell for (b, r, t, k, _, _), cell in c.items()
+                if (b, r, t, k) == ("numpy", "kvcanary", "interior", "token")]
+    assert cells[3] == str(sum(x.visible for x in interior))        # detection ...
+    assert cells[5] == str(sum(x.diagnosed for x in interior))      # ... and cause
+    assert cells[9] == "0"
+    data = json.loads(render(report, "json"))
+    assert data["certain_wrong_causes"]["count"] == 0
+    assert all("named" in row and "other_causes" in row for row in data["cells"])
+
+
+def test_a_certain_wrong_cause_fails_the_campaign(monkeypatch):
+    import dataclasses
+
+    from kvcanary.diagnosis import Diagnosis
+
+    real_audit = runner.audit
+
+    def misdiagnosing(d, **kwargs):
+        result = real_audit(d, **kwargs)
+        wrong = Diagnosis("slot-zero", "always slot zero", certain=True)
+        result.findings[:] = [dataclasses.replace(f, diagnosis=wrong)
+                              for f in result.findings]
+        return result
+
+    monkeypatch.setattr(runner, "audit", misdiagnosing)
+    broken = run_campaign(faults_per_kind=1, clean_runs=0, seed=1, backend="numpy", jobs=1)
+    assert any("state a cause as certain that is not the fault's" in f
+               for f in broken.failures())
+    wrong = broken.certain_wrong[0]
+    assert wrong["named"] == "slot-zero" and "kvcanary synth" in wrong["reproduce"]
+    assert "certain wrong cause for" in render(broken, "text")

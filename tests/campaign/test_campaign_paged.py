@@ -94,3 +94,12 @@ def test_broken_detector_fails_the_paged_campaign(monkeypatch):
 def test_cli_layout_option():
     result = CliRunner().invoke(main, ["campaign", "--layout", "vertical"])
     assert result.exit_code == 2 and "--layout" in result.output
+
+
+def test_every_certain_paged_diagnosis_names_its_true_cause(report):
+    """The paged campaign, both rule sets: no finding at a fault's sites states a certain
+    cause other than the fault's (an alias that reads another request's identical records,
+    a block swapped inside a cached chain, a record behind a freed SWA slot)."""
+    assert sum(c.certain_wrong for c in report.cells.values()) == 0, report.certain_wrong
+    assert sum(c.diagnosed for c in report.cells.values()) > 0
+    assert "### Diagnoses: numpy backend" in render(report, "markdown")

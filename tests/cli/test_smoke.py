@@ -67,3 +67,26 @@ def test_smoke_fails_when_the_device_misses_a_fault():
     report = run_smoke(2, xp=np, device=_VerifyForgetsRealKv(multiprocessor_count=2))
     assert not report.ok
     assert report.lines()[-1] == "smoke: FAILED"
+
+
+def test_smoke_with_cupy_but_no_driver_says_there_is_no_driver(monkeypatch):
+    """CUDA answers "driver version is insufficient" where no driver is loaded at all: the
+    message must not read as a call to upgrade."""
+    import sys
+    import types
+
+    import kvcanary.backends.cuda as cuda
+
+    def no_driver():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient "
+                           "for CUDA runtime version")
+
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=no_driver))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cuda, "_CUPY", None)
+    monkeypatch.setattr(cuda, "_MISSING", None)
+    result = CliRunner().invoke(main, ["smoke", "--max-real-kv-sources", "4"])
+    assert result.exit_code == 2
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert "no NVIDIA driver is loaded here" in line and "numpy backend" in line

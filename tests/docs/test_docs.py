@@ -66,3 +66,33 @@ def test_readme_cli_doc_and_benchmarks_quote_one_audit_time():
     quoted = {doc: seconds(doc, r"0\.96 GiB dump[^;]*?\b(?:in|takes) ([\d.]+) s\b")
               for doc in ("README.md", "docs/cli.md", "benchmarks/README.md")}
     assert len(set(quoted.values())) == 1, quoted
+
+
+def test_the_docs_index_lists_every_page_and_the_readme_links_it():
+    index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\(([\w.-]+\.md)\)", index))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    assert pages <= linked, sorted(pages - linked)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "(docs/README.md)" in readme and "(docs/architecture.md)" in readme
+
+
+def test_the_command_list_of_cli_md_names_every_command():
+    from kvcanary.cli.main import main
+
+    block = re.search(r"```\n(kvcanary .*?)```", (ROOT / "docs" / "cli.md").read_text(
+        encoding="utf-8"), re.S).group(1)
+    listed = set(re.findall(r"^kvcanary (\w+)", block, re.M))
+    assert listed == set(main.commands), sorted(set(main.commands) ^ listed)
+
+
+def test_install_lines_say_the_cpu_torch_first_and_one_install_for_every_extra():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    engines = (ROOT / "docs" / "engines.md").read_text(encoding="utf-8")
+    for text in (readme, engines):
+        flat = " ".join(text.split())
+        at = flat.index("[transformers]'")
+        assert "install torch's CPU build first" in flat[at:at + 400]
+        assert "`pip install 'torch==2.13.0+cpu'`" in flat
+        assert "replaces an editable install" in flat
+    assert "pip install '.[transformers]'" in engines   # the README's spelling, too

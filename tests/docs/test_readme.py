@@ -27,9 +27,17 @@ def run_example(code: str) -> list[str]:
 
 def assert_reports_the_remap(lines):
     assert lines, "the example printed no violation"
-    assert all(line.startswith("kv_canary violation: launch_tag=TAIL_K_FULL") for line in lines)
-    # Position 3 now points at slot 12, which holds position 2's record.
-    assert any("slot_idx=12 position=2" in line and "verify_position" in line for line in lines)
+    rows = [line for line in lines if not line.startswith("  ")]
+    assert all(line.startswith("kv_canary violation: launch_tag=TAIL_K_FULL") for line in rows)
+    # Position 3 now points at slot 12, which holds position 2's record: the finding says
+    # where (position 3) and why (the mapping is shifted).
+    assert any("slot_idx=12 position=2" in line and "verify_position" in line for line in rows)
+    assert "  at: request row 1 (batch index 0), position 3, slot 12" in lines
+    assert any(line.startswith("  cause:") and "shifted by -1" in line for line in lines)
+    # The README shows what it prints.
+    shown = re.search(r"It prints [^\n]*:\n\n```\n(.*?)```", README.read_text(encoding="utf-8"),
+                      re.S).group(1)
+    assert lines == shown.splitlines()
 
 
 def test_readme_library_example_runs_with_numpy_alone():
@@ -54,4 +62,6 @@ def test_readme_library_example_variants_give_the_same_findings(framework):
 def test_readme_names_both_commands():
     text = README.read_text(encoding="utf-8")
     assert "pip install . && kvcanary demo" in text
-    assert "pip install -e '.[test]' && python -m pytest -q -rs" in text
+    assert "pip install -e '.[test]' && python -m pytest -q\n" in text
+    # Not -rs: the suite lists what did not run itself, once (pytest's list would repeat it).
+    assert "pytest -q -rs" not in text

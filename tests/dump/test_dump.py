@@ -369,3 +369,57 @@ def test_keys_of_the_users_own_are_saved_and_carried_through(tmp_path):
                 **_minimal_dump())
     dump = load(path)
     assert int(dump.extra["user_step"]) == 1234 and dump.string("user_model") == "m"
+
+
+def _hand_made(tmp_path, **changes):
+    """A dump written with np.savez by hand (no kvcanary.dump.save), as a newcomer would."""
+    from builders import i64
+
+    from kvcanary.dump import save
+
+    path = save(str(tmp_path / "base.npz"), canary=np.zeros((8, 32), np.uint8),
+                req_to_token=np.zeros((2, 4), np.int32), req_pool_indices=i64([1]),
+                seq_lens=i64([2]))
+    with np.load(path) as z:
+        values = dict(z)
+    values.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del values[key]
+    out = tmp_path / "hand.npz"
+    np.savez(out, **values)
+    return str(out)
+
+
+def test_a_misspelt_key_in_a_hand_made_dump_is_refused_with_the_nearest_name(tmp_path):
+    from kvcanary.dump import DumpError, load
+
+    path = _hand_made(tmp_path, expected_token=np.zeros((2, 4), np.int64))
+    with pytest.raises(DumpError, match="key expected_token: not a dump key .did you mean "
+                                        "expected_tokens"):
+        load(path)
+
+
+def test_a_key_required_by_another_says_which_and_the_fix(tmp_path):
+    from kvcanary.dump import DumpError, load
+
+    path = _hand_made(tmp_path, expected_tokens_valid_lens=np.array([2], np.int64))
+    with pytest.raises(DumpError, match="key expected_tokens: missing .required with "
+                                        "expected_tokens_valid_lens, which is present: add it "
+                                        "or drop expected_tokens_valid_lens"):
+        load(path)
+
+
+def test_a_dump_without_its_version_key_says_how_to_make_one(tmp_path):
+    from kvcanary.dump import DumpError, load
+
+    path = _hand_made(tmp_path, kvcanary_dump_version=None)
+    with pytest.raises(DumpError, match="kvcanary.dump.save.*kvcanary_dump_version = 1"):
+        load(path)
+
+
+def test_a_lone_npy_is_called_one_key_of_a_directory_dump(tmp_path):
+    from kvcanary.dump import DumpError, load
+
+    np.save(tmp_path / "seq_lens.npy", np.arange(3))
+    with pytest.raises(DumpError, match="a lone .npy file is one key of a directory dump"):
+        load(str(tmp_path / "seq_lens.npy"))

@@ -384,7 +384,8 @@ def test_hostile_files_exit_2_with_one_sentence_in_bounded_memory(corpus):
     ("dir_huge_shape", "declares shape (1099511627776,)"), ("dir_pickled", "object"),
     ("dir_seq_len_flip", "seq_lens[0] = 4194310 is more than twice req_to_token's width 8"),
     ("dir_bad_unicode", "key launch_tag: holds an invalid string"),
-    ("control_name", "key canary: missing"),   # the renamed member is an ignored key now
+    # The renamed member is an unknown key: refused, shown escaped, with the nearest name.
+    ("control_name", "key \\nanary: not a dump key (did you mean canary?"),
     ("st_huge_length", "declares 1099511627776 bytes of JSON"),
     ("st_json_list", "not a JSON object"),
     ("wide_empty_table", "is outside req_to_token, which has 0 rows"),

@@ -470,6 +470,9 @@ def test_demo_engine_without_transformers_is_exit_2(monkeypatch):
     monkeypatch.setattr(demo, "run_engine_demo", missing)
     result = CliRunner().invoke(main, ["demo", "--engine", "transformers"])
     assert result.exit_code == 2 and "kvcanary[transformers]" in result.output
+    # The one error style: the prefix every other error has, on one line.
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert line.startswith("kvcanary: error: demo --engine transformers needs torch")
 
 
 # ------------------------------------------------------------------ offloading

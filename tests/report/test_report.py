@@ -301,3 +301,17 @@ def test_padding_slot_zero_is_a_finding_not_a_slot_mapped_twice(tmp_path):
     assert result.counts_by_reason["slot_zero_in_prefix"] == 2
     assert pool["twice_total"] == 0
     assert decode(pool["flags"], "u1")[0] & maps_module.POOL_FINDING
+
+
+def test_nested_fields_are_shown_in_words_not_as_python_reprs(tmp_path):
+    """A diagnosis's ``related`` entries (a list of dicts) read as words in the details."""
+    report = build_report([{
+        "name": "d.npz",
+        "findings": [{"launch_tag": "TAIL_K_FULL", "fail_reason": "verify_position",
+                      "slot_idx": 12, "position": 2, "likely_cause": "shifted",
+                      "diagnosis": {"cause": "shifted-mapping", "certain": True,
+                                    "related": [{"request_row": 6, "position": 2}]}}]}],
+        command="audit")
+    page = pathlib.Path(write_html(report, str(tmp_path / "r.html"))).read_text("utf-8")
+    assert "{&#39;" not in page and "{'" not in page and "[{" not in page
+    assert "related (request row 6, position 2)" in page

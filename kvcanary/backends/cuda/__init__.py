@@ -43,6 +43,13 @@ def _device_cupy():
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # cupy raises its own CUDARuntimeError without a driver
+        if "insufficient" in str(exc).lower() or "InsufficientDriver" in str(exc):
+            # CUDA says "driver version is insufficient" also where no driver is loaded at
+            # all (a machine without a GPU): that is the usual case, not an old driver.
+            raise CudaUnavailable(
+                "cupy sees no CUDA device: no NVIDIA driver is loaded here (no GPU, or its "
+                "driver is not installed; CUDA reports this as 'driver version is "
+                "insufficient'): the numpy backend runs without one") from exc
         raise CudaUnavailable(f"cupy sees no CUDA device ({exc})") from exc
     if count < 1:
         raise CudaUnavailable("cupy sees no CUDA device")
