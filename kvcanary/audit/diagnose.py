@@ -13,7 +13,6 @@ from ..dump import Dump
 from ..evidence import Evidence, record_links
 from ..rules import canary_fields
 from .launches import _Launcher, _live_launches, _LiveRequests, _sweep_launches
-from .result import CHUNK_ENTRIES
 from .tally import _block_of, _Tally
 
 
@@ -61,29 +60,26 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
     rows = np.stack([f.violation.to_row() for f in findings])
     fields = canary_fields(d.canary)
     # Zero records are counted only when a finding reads one (the wrong-buffer question).
-    zero = None
-    if np.any((rows[:, 2] == 0) & (rows[:, 3] == 0) & (rows[:, 5] == 0)):
-        zero = ~fields.any(axis=1)
-        zero[:1] = False   # slot 0 is padding: never counted
-    # Records whose link a finding's stored link equals: their readers are its parents.
-    parents = _equal_to_any(_slot_links(fields), rows[:, 5])
-    interest = np.concatenate([rows[:, 1], [f.prev_slot for f in findings], parents])
-    marked = np.zeros(d.num_slots, dtype=bool)
-    marked[interest[(interest >= 0) & (interest < d.num_slots)]] = True
-    parts, zero_entries, checked = [], 0, 0
+    count_zero = bool(np.any((rows[:, 2] == 0) & (rows[:, 3] == 0) & (rows[:, 5] == 0)))
+    # Only records some entry reads can be a finding's parent (the evidence holds entries),
+    # so links are computed for the entries' records, never for the whole buffer: a large
+    # pool of zero records (whose link is 0, like a lost write's stored link) costs nothing.
+    targets = np.unique(rows[:, 5])
+    interest = np.unique(np.concatenate([rows[:, 1], [f.prev_slot for f in findings]]))
+    parts, parents, zero_entries, checked = [], [], 0, 0
     launches = itertools.chain(_live_launches(d, launcher, live, chunk),
                                _sweep_launches(d, launcher, chunk))
     for launch, failing in zip(launches, tally.failing_entries):
         e = launch.entries
         inside = (e.slots > 0) & (e.slots < d.num_slots)
         at_slot = np.where(inside, e.slots, 0)
-        if launch.live and zero is not None:
-            zero_entries += int(np.count_nonzero(np.take(zero, at_slot)))
+        records = np.take(fields, at_slot, axis=0)
+        if launch.live and count_zero:
+            zero_entries += int(np.count_nonzero(inside & ~records.any(axis=1)))
             checked += int(np.count_nonzero(e.slots > 0))
-        keep = np.flatnonzero(np.take(marked, at_slot))
-        outside = np.flatnonzero(~inside)
-        if outside.size:
-            keep = np.union1d(keep, outside[np.isin(e.slots[outside], interest)])
+        parent = inside & np.isin(record_links(records), targets)
+        parents.append(e.slots[parent])
+        keep = np.flatnonzero(np.isin(e.slots, interest) | parent)
         # Sweep entries belong to no request: batch index and row -1 (one cached chain).
         batch = launch.batch_index[keep] if launch.live else np.full(keep.size, -1, np.int64)
         parts.append(Evidence.from_entries(
@@ -92,11 +88,11 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
             request_rows=np.asarray(d.req_pool_indices)[batch] if launch.live else batch,
             records=fields, failing=None if failing is None else failing[keep],
             prev_slots=e.prevs[keep]))
+    interest = np.concatenate([interest] + parents)
     evidence = Evidence.merge(parts)
     asked = np.unique(np.concatenate([interest, evidence.prev_slots]).astype(np.int64))
     asked = asked[(asked >= 0) & (asked < d.num_slots)]
-    evidence.failing_slots, evidence.failing_bits = asked[tally.slot_bits[asked] != 0], \
-        tally.slot_bits[asked][tally.slot_bits[asked] != 0].astype(np.int64)
+    evidence.failing_slots, evidence.failing_bits = tally.failing_bits_at(asked)
     evidence.zero_entries, evidence.checked_entries = zero_entries, checked
     stored = {(f.batch_index, f.position): f.violation.position for f in findings
               if f.kind == "request"}
@@ -115,25 +111,3 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
                              tables=tables)
         result.append(dataclasses.replace(f, diagnosis=diagnosis, cause=diagnosis.text))
     return result, zero_entries
-
-
-# Low bits of a hash that index the filter of :func:`_equal_to_any`.
-_FILTER_BITS = 20
-
-
-def _equal_to_any(values: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """Indices of ``values`` (uniform hashes) equal to one of a few ``targets``: a bit table
-    on the low bits picks the candidates in one pass, an exact test confirms them."""
-    mask = (1 << _FILTER_BITS) - 1
-    table = np.zeros(1 << _FILTER_BITS, dtype=bool)
-    table[targets & mask] = True
-    candidates = np.flatnonzero(np.take(table, values & mask))
-    return candidates[np.isin(values[candidates], targets)]
-
-
-def _slot_links(fields: np.ndarray) -> np.ndarray:
-    """The chain link of every slot's record, block by block (bounded scratch memory)."""
-    links = np.empty(fields.shape[0], dtype=np.int64)
-    for begin in range(0, fields.shape[0], CHUNK_ENTRIES):
-        links[begin:begin + CHUNK_ENTRIES] = record_links(fields[begin:begin + CHUNK_ENTRIES])
-    return links

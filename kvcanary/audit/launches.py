@@ -39,7 +39,6 @@ class _Launcher:
         self.sources = self.host_sources if self.xp is np else self._sources(self.xp)
         self.canary = dump.canary if self.xp is np else self.xp.asarray(dump.canary)
         self.max_sources = max_real_kv_sources
-        self._first = self._last = None
 
     def _sources(self, xp):
         d = self.dump
@@ -64,19 +63,21 @@ class _Launcher:
     def device(self, array):
         return None if array is None else (array if self.xp is np else self.xp.asarray(array))
 
-    def slot_users(self, slots: np.ndarray) -> tuple:
-        """``(first, last)``: per canary slot, the first and last index of ``slots`` holding
-        it. Slots outside the buffer are left out; the tables are reused from launch to
-        launch, so a slot this launch does not use holds a stale index."""
-        # int32 halves the tables' cache footprint; launches past 2**31 entries get int64.
-        dtype = np.int32 if slots.size <= np.iinfo(np.int32).max else np.int64
-        if self._first is None or self._first.dtype != dtype:
-            self._first = np.full(self.dump.num_slots, -1, dtype=dtype)
-            self._last = np.full(self.dump.num_slots, -1, dtype=dtype)
-        index = np.flatnonzero((slots >= 0) & (slots < self.dump.num_slots)).astype(dtype)
-        self._last[slots[index]] = index
-        self._first[slots[index[::-1]]] = index[::-1]
-        return self._first, self._last
+    @staticmethod
+    def slot_users(slots: np.ndarray, asked: np.ndarray) -> tuple:
+        """``(first, last)``: per slot of ``asked``, the first and last index of ``slots``
+        holding it (-1 where none does). A sort of the launch's own entries: the work and
+        memory follow the launch, not the pool (a 16M-slot pool costs what a small one does)."""
+        if slots.size == 0:
+            return np.full(asked.shape, -1, np.int64), np.full(asked.shape, -1, np.int64)
+        order = np.argsort(slots, kind="stable")
+        ordered = slots[order]
+        low = np.searchsorted(ordered, asked, side="left")
+        high = np.searchsorted(ordered, asked, side="right")
+        present = high > low
+        first = np.where(present, order[np.minimum(low, order.size - 1)], -1)
+        last = np.where(present, order[np.maximum(high - 1, 0)], -1)
+        return first, last
 
 
 @dataclass

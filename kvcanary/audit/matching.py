@@ -25,13 +25,9 @@ def _attribute(rows: np.ndarray, launch: _Launch, launcher: _Launcher) -> np.nda
     entries, num_slots = launch.entries, launcher.dump.num_slots
     row_slots = np.ascontiguousarray(rows[:, 1])
     in_range = (row_slots >= 0) & (row_slots < num_slots)
-    first, last = launcher.slot_users(entries.slots)
-    slot = np.where(in_range, row_slots, 0)
-    candidate, earliest = np.take(last, slot), np.take(first, slot)
-    # The tables outlive the launch: an entry of this launch must hold the row's slot.
-    candidate = np.where(in_range & (candidate >= 0) & (candidate < launch.size), candidate,
-                         0).astype(np.int64)
-    used = in_range & (np.take(entries.slots, candidate) == row_slots)
+    earliest, candidate = launcher.slot_users(entries.slots, row_slots)
+    used = in_range & (candidate >= 0)
+    candidate = np.maximum(candidate, 0)
     single = used & (earliest == candidate)
     expected = np.take(entries.tokens, candidate) if launch.check_token else EXPECTED_TOKEN_UNKNOWN
     single &= rows[:, 4] == expected

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..diagnosis import failed_checks
 from ..dump import Dump
+from ..evidence import or_by_slot
 from ..violations import Violation, reason_labels, tag_name
 from .launches import _Launch
 from .result import AuditResult, Finding, RequestSummary
@@ -32,9 +33,9 @@ class _Tally:
         self.reasons, self.tags = Counter(), Counter()
         self.findings: list = []
         self.requests: list = []
-        # Fail bits ORed per canary slot (allocated at the first row), and per launch which
-        # entries had a row.
-        self.slot_bits = np.zeros(0, dtype=np.int64)
+        # Fail bits ORed per failing canary slot (sorted slots, their bits; sized by the rows,
+        # never by the pool), and per launch which entries had a row.
+        self._failing_parts: list = []
         self.failing_entries: list = []
 
     def add(self, rows: np.ndarray, entry_of: np.ndarray, launch: _Launch) -> None:
@@ -57,12 +58,8 @@ class _Tally:
         attributed[row_of[failing]] = True
         entry_of = np.where(attributed, entry_of, -1)
         self.unattributed += int(rows.shape[0] - failing.size)
-        if self.slot_bits.size == 0:
-            self.slot_bits = np.zeros(self.dump.num_slots, dtype=np.int64)
         inside = (rows[:, 1] >= 0) & (rows[:, 1] < self.dump.num_slots)
-        slots, bits = rows[inside, 1], rows[inside, 7]
-        for value in _value_counts(bits)[0].tolist():   # a few distinct reason sets
-            self.slot_bits[slots[bits == value]] |= value
+        self._failing_parts.append(or_by_slot(rows[inside, 1], rows[inside, 7]))
         mask = np.zeros(launch.size, dtype=bool)
         mask[failing] = True
         self.failing_entries.append(mask)
@@ -77,6 +74,17 @@ class _Tally:
         for index in order.tolist():
             entry = int(entry_of[index])
             self.findings.append(self._finding(Violation(*rows[index].tolist()), entry, launch))
+
+    def failing_bits_at(self, slots: np.ndarray) -> tuple:
+        """``(slots, bits)``: those of the sorted ``slots`` that have a row, with their
+        fail bits ORed."""
+        failing, bits = or_by_slot(*(np.concatenate([p[i] for p in self._failing_parts]
+                                                    or [np.zeros(0, np.int64)]) for i in (0, 1)))
+        if failing.size == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        at = np.minimum(np.searchsorted(failing, slots), failing.size - 1)
+        found = failing[at] == slots
+        return slots[found], bits[at[found]]
 
     def _add_requests(self, failing: np.ndarray, launch: _Launch) -> None:
         """Per affected request: count and first/last position (entries of a request are
