@@ -23,8 +23,13 @@ dump whose every record is corrupt audits about as fast as a clean one; rows bey
 ``ring_capacity`` count as dropped by upstream's fill-once ring. Checking zero entries is an
 error.
 
+Requests that read the same entries (a shared prefix, a copied table row, batch entries on
+one row) are verified once per distinct entry when they claim at least twice what is
+distinct (``distinct``): each row then counts for every request reading its entry, and a claim
+of more distinct entries than any engine state could hold is refused.
+
 The steps, one module each: ``launches`` builds the entries (``_live_launches``,
-``_sweep_launches``) and runs one launch (``_verify``), ``matching`` names the entry of each
+``_sweep_launches``) and runs one launch (``_verify``), ``distinct`` groups shared entries, ``matching`` names the entry of each
 row (``_attribute``), ``tally`` summarises (``_Tally``), ``diagnose`` explains (``_diagnose``);
 ``result`` holds what the audit returns. :func:`audit` here runs the one loop over both kinds
 of launches.
@@ -45,6 +50,7 @@ from ..diagnosis import Diagnosis, likely_cause
 from ..dump import load
 from ..types import check_source_bound, check_source_count
 from .diagnose import _diagnose
+from . import distinct
 from .launches import (_Launcher, _live_launches, _live_requests, _slot_zero_rows, _sweep_launches,
                        _verify)
 from .matching import _attribute
@@ -99,6 +105,12 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         text = " ".join(getattr(exc, "detail", str(exc)).splitlines())
         raise AuditError(f"{d.path}: key real_kv_params: {text}") from None
 
+    grouped = None
+    if live_entries > min(distinct.GROUPING_THRESHOLD, distinct._claim_limit(d)):
+        grouped = distinct._group_live(d, live)
+        distinct._check_claim(d, grouped)
+        if distinct.MIN_SHARING * grouped.entries > live_entries:
+            grouped = None    # little is shared: plan every request as it is
     launcher = _Launcher(d, chosen, max_real_kv_sources)
     check_token = d.expected_tokens is not None
     result = AuditResult(
@@ -111,9 +123,16 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     keep = min(ring_capacity, max_findings or ring_capacity)
     tally = _Tally(d, keep)
     chunk = max(1, int(chunk_entries))
-    done = 0
-    launches = itertools.chain(_live_launches(d, launcher, live, chunk),
-                               _sweep_launches(d, launcher, chunk))
+    done, found = 0, None
+    if grouped is not None:
+        work = grouped.entries + d.num_sweep_entries
+        found = distinct._verify_groups(d, launcher, grouped, chunk, compat, observe=observe,
+                              progress=progress and (lambda n, _: progress(n, work)), total=work)
+        tally.add_distinct(grouped, found)
+        done, total_entries = grouped.entries, work
+        result.distinct_live_entries = grouped.entries
+    launches = _sweep_launches(d, launcher, chunk) if grouped is not None else itertools.chain(
+        _live_launches(d, launcher, live, chunk), _sweep_launches(d, launcher, chunk))
     for launch in launches:
         rows = _verify(launcher, launch)
         entry_of = _attribute(rows, launch, launcher)
@@ -128,7 +147,8 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         done += launch.size
         if progress:
             progress(done, total_entries)
-    tally.findings, result.zero_records = _diagnose(tally, d, launcher, live, chunk)
+    tally.findings, result.zero_records = _diagnose(tally, d, launcher, live, chunk,
+                                                    grouped, found)
     tally.fill(result)
     result.counts_by_cause = dict(sorted(Counter(
         f.diagnosis.cause for f in tally.findings).items()))

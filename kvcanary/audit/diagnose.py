@@ -12,6 +12,7 @@ from ..diagnosis import diagnose
 from ..dump import Dump
 from ..evidence import Evidence, record_links
 from ..rules import canary_fields
+from .distinct import _distinct_launches, _entry_readers
 from .launches import _Launcher, _live_launches, _LiveRequests, _sweep_launches
 from .tally import _block_of, _Tally
 
@@ -47,7 +48,7 @@ class _DumpTables:
 
 
 def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
-              chunk: int) -> tuple:
+              chunk: int, grouped=None, found=None) -> tuple:
     """Every kept finding with its :func:`~kvcanary.diagnosis.diagnose`; returns
     ``(findings, zero records among the live entries)``.
 
@@ -64,30 +65,39 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
     # Only records some entry reads can be a finding's parent (the evidence holds entries),
     # so links are computed for the entries' records, never for the whole buffer: a large
     # pool of zero records (whose link is 0, like a lost write's stored link) costs nothing.
+    # An all-zero record's link is 0 and continues nothing: a zero stored link (a never-
+    # written record's) asks for no parent among the pool's other zero records.
     targets = np.unique(rows[:, 5])
+    targets = targets[targets != 0]
     interest = np.unique(np.concatenate([rows[:, 1], [f.prev_slot for f in findings]]))
     parts, parents, zero_entries, checked = [], [], 0, 0
-    launches = itertools.chain(_live_launches(d, launcher, live, chunk),
-                               _sweep_launches(d, launcher, chunk))
-    for launch, failing in zip(launches, tally.failing_entries):
+    for launch, failing, first in _second_pass(d, launcher, live, chunk, tally, grouped, found):
         e = launch.entries
         inside = (e.slots > 0) & (e.slots < d.num_slots)
         at_slot = np.where(inside, e.slots, 0)
         records = np.take(fields, at_slot, axis=0)
+        weight = 1 if first is None else found.readers[first:first + launch.size]
         if launch.live and count_zero:
-            zero_entries += int(np.count_nonzero(inside & ~records.any(axis=1)))
-            checked += int(np.count_nonzero(e.slots > 0))
+            zero_entries += int(np.sum(weight * (inside & ~records.any(axis=1))))
+            checked += int(np.sum(weight * (e.slots > 0)))
         parent = inside & np.isin(record_links(records), targets)
         parents.append(e.slots[parent])
-        keep = np.flatnonzero(np.isin(e.slots, interest) | parent)
-        # Sweep entries belong to no request: batch index and row -1 (one cached chain).
-        batch = launch.batch_index[keep] if launch.live else np.full(keep.size, -1, np.int64)
+        # Entries outside the buffer (past the table, say) are no evidence: an out-of-range
+        # finding's cause is its slot alone, and thousands of them share the marker slot.
+        keep = np.flatnonzero(inside & np.isin(e.slots, interest) | parent)
+        if first is not None:
+            # Shared entries: one evidence entry per request reading it (a few of them).
+            which, batch, request_rows = _entry_readers(grouped, first + keep, e.positions[keep])
+            keep = keep[which]
+        elif launch.live:
+            batch = launch.batch_index[keep]
+            request_rows = np.asarray(d.req_pool_indices)[batch]
+        else:   # sweep entries belong to no request: batch index and row -1
+            batch = request_rows = np.full(keep.size, -1, np.int64)
         parts.append(Evidence.from_entries(
             slots=e.slots[keep], positions=e.positions[keep], tokens=e.tokens[keep],
-            batch_index=batch,
-            request_rows=np.asarray(d.req_pool_indices)[batch] if launch.live else batch,
-            records=fields, failing=None if failing is None else failing[keep],
-            prev_slots=e.prevs[keep]))
+            batch_index=batch, request_rows=request_rows, records=fields,
+            failing=None if failing is None else failing[keep], prev_slots=e.prevs[keep]))
     interest = np.concatenate([interest] + parents)
     evidence = Evidence.merge(parts)
     asked = np.unique(np.concatenate([interest, evidence.prev_slots]).astype(np.int64))
@@ -111,3 +121,19 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
                              tables=tables)
         result.append(dataclasses.replace(f, diagnosis=diagnosis, cause=diagnosis.text))
     return result, zero_entries
+
+
+def _second_pass(d, launcher, live, chunk, tally, grouped, found):
+    """``(launch, failing entries, first global entry or None)`` for the evidence: the live
+    launches as the audit ran them (grouped or planned per request), then the sweep."""
+    sweeps = _sweep_launches(d, launcher, chunk)
+    if grouped is None:
+        launches = itertools.chain(_live_launches(d, launcher, live, chunk), sweeps)
+        for launch, failing in zip(launches, tally.failing_entries):
+            yield launch, failing, None
+        return
+    for first, launch in _distinct_launches(d, launcher, grouped, chunk):
+        yield launch, found.failing[first:first + launch.size], first
+    for launch, failing in zip(sweeps, tally.failing_entries):
+        yield launch, failing, None
+

@@ -133,6 +133,9 @@ class AuditResult:
     zero_records: int = 0     # live entries whose record is all zeros (counted when dirty)
     unattributed: int = 0
     elapsed_s: float = 0.0
+    # Live entries verified when requests share them (each once, attributed to every
+    # reader); 0 when every request was planned as it is.
+    distinct_live_entries: int = 0
 
     @property
     def entries_checked(self) -> int:
@@ -172,6 +175,7 @@ class AuditResult:
     def summary_record(self) -> dict:
         return {"record": "summary", "dump": self.path, "entries_checked": self.entries_checked,
                 "live_entries": self.live_entries, "sweep_entries": self.sweep_entries,
+                "distinct_live_entries": self.distinct_live_entries or self.live_entries,
                 "violations": self.total_violations, "reported": len(self.findings),
                 "ring_overflow": self.ring_overflow, "dropped": self.dropped,
                 "findings_cut": self.findings_cut, "findings_omitted": self.findings_omitted,

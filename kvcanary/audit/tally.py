@@ -10,9 +10,17 @@ import numpy as np
 from ..diagnosis import failed_checks
 from ..dump import Dump
 from ..evidence import or_by_slot
+from ..reference.plan import verify_entries
 from ..violations import Violation, reason_labels, tag_name
 from .launches import _Launch
 from .result import AuditResult, Finding, RequestSummary
+
+
+def _weighted_counts(values: np.ndarray, weights: np.ndarray) -> tuple:
+    """``(distinct values, summed weights)`` of an int64 column."""
+    distinct, inverse = np.unique(values, return_inverse=True)
+    return distinct, np.bincount(inverse.reshape(-1), weights=weights,
+                                 minlength=distinct.size).astype(np.int64)
 
 
 def _value_counts(values: np.ndarray) -> tuple:
@@ -74,6 +82,48 @@ class _Tally:
         for index in order.tolist():
             entry = int(entry_of[index])
             self.findings.append(self._finding(Violation(*rows[index].tolist()), entry, launch))
+
+    def add_distinct(self, grouped, found) -> None:
+        """The live rows of a grouped audit (:mod:`.distinct`): each row counts once per
+        request reading its entry; requests and findings in batch and position order."""
+        from .distinct import _first_findings, _request_counts   # noqa: PLC0415 (a cycle)
+        weights = found.readers[found.row_index]
+        rows = np.concatenate([found.rows, found.unattributed])
+        weights = np.concatenate([weights, np.ones(found.unattributed.shape[0], np.int64)])
+        self.total += int(weights.sum())
+        self.unattributed += int(found.unattributed.shape[0])
+        if rows.shape[0]:
+            for value, count in zip(*(a.tolist() for a in _weighted_counts(rows[:, 7], weights))):
+                for label in reason_labels(value) or ["none"]:
+                    self.reasons[label] += count
+            for value, count in zip(*(a.tolist() for a in _weighted_counts(rows[:, 0], weights))):
+                self.tags[tag_name(value)] += count
+            inside = (rows[:, 1] >= 0) & (rows[:, 1] < self.dump.num_slots)
+            self._failing_parts.append(or_by_slot(rows[inside, 1], rows[inside, 7]))
+        count, first, last = _request_counts(grouped, found)
+        readers = grouped.readers
+        for i in np.flatnonzero(count).tolist():
+            self.requests.append(RequestSummary(
+                batch_index=int(readers.batch_index[i]), request_row=int(readers.rows[i]),
+                violations=int(count[i]), first_position=int(first[i]),
+                last_position=int(last[i])))
+        room = self.keep - len(self.findings)
+        if room <= 0:
+            return
+        picked = _first_findings(grouped, found, count, room)
+        if picked:
+            batch, row, position, entry = (np.array(c, dtype=np.int64) for c in zip(*picked))
+            d = self.dump
+            _, _, prevs, _ = verify_entries(d.slot_table, d.block_size,
+                                            d.full_to_swa_index_mapping, row, position,
+                                            np.ones(row.size, np.int64), row.size, None, None, 0)
+            for b, r, q, prev, values in zip(batch.tolist(), row.tolist(), position.tolist(),
+                                             prevs.tolist(), found.row_of(entry).tolist()):
+                self.findings.append(_finding(Violation(*values), "request", batch_index=b,
+                                              request_row=r, position=q, prev_slot=prev,
+                                              **_block_of(d, r, q)))
+        for values in found.unattributed[:self.keep - len(self.findings)].tolist():
+            self.findings.append(_finding(Violation(*values), "unattributed"))
 
     def failing_bits_at(self, slots: np.ndarray) -> tuple:
         """``(slots, bits)``: those of the sorted ``slots`` that have a row, with their
