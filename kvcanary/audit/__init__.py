@@ -108,8 +108,9 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     grouped = None
     if live_entries > min(distinct.GROUPING_THRESHOLD, distinct._claim_limit(d)):
         grouped = distinct._group_live(d, live)
-        distinct._check_claim(d, grouped)
-        if distinct.MIN_SHARING * grouped.entries > live_entries:
+        if grouped is not None:
+            distinct._check_claim(d, grouped)
+        if grouped is not None and distinct.MIN_SHARING * grouped.entries > live_entries:
             grouped = None    # little is shared: plan every request as it is
     launcher = _Launcher(d, chosen, max_real_kv_sources)
     check_token = d.expected_tokens is not None

@@ -90,8 +90,11 @@ def _valid_ends(d: Dump, rows: np.ndarray, batch: np.ndarray) -> np.ndarray:
     return np.where(inside, np.maximum(ends, 0), 0)
 
 
-def _group_live(d: Dump, live: _LiveRequests) -> _DistinctLive:
-    """Pieces and groups of the live requests (see the module docstring)."""
+def _group_live(d: Dump, live: _LiveRequests) -> _DistinctLive | None:
+    """Pieces and groups of the live requests (see the module docstring); None when no
+    request's positions repeat on its row and the pieces would be as many as the entries
+    (a per-token table read once: planning each request costs no more, and its table bounds
+    it)."""
     bs = int(d.block_size)
     batch = live.batch_index
     rows = np.asarray(d.req_pool_indices, dtype=np.int64)[batch]
@@ -122,6 +125,10 @@ def _group_live(d: Dump, live: _LiveRequests) -> _DistinctLive:
     # Each elementary segment cut at the block boundaries: one piece per block column.
     first_col, last_col = s_lo // bs, (s_hi - 1) // bs
     count = last_col - first_col + 1
+    claimed = int(live.lengths.sum())
+    if MIN_SHARING * int((s_hi - s_lo).sum()) > claimed \
+            and MIN_SHARING * int(count.sum()) > claimed:
+        return None   # each row is read once and a piece costs what an entry costs
     p_seg = np.repeat(np.arange(s_lo.size), count)
     p_col = np.repeat(first_col - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
     p_lo = np.maximum(s_lo[p_seg], p_col * bs)

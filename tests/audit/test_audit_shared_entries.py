@@ -140,3 +140,19 @@ def test_more_distinct_entries_than_any_engine_could_map_is_refused(monkeypatch)
     with pytest.raises(AuditError, match=r"key seq_lens: the live requests read 262144 "
                                          r"distinct entries"):
         audit(validate("many.npz", "npz", arrays), backend="numpy")
+
+
+def test_batch_entries_on_one_per_token_row_cost_what_the_row_costs():
+    # 4,096 batch entries on one 16,384-slot row, each claiming twice the row (134M entries).
+    width, requests = 1 << 14, 4096
+    table = np.zeros((2, width), np.int64)
+    table[1] = np.arange(1, width + 1)
+    arrays = dict(canary=np.zeros((width + 1, 32), np.uint8), kvcanary_dump_version=np.array(1),
+                  req_to_token=table, req_pool_indices=np.ones(requests, np.int64),
+                  seq_lens=np.full(requests, 2 * width, np.int64))
+    started = time.perf_counter()
+    result = audit(validate("row.npz", "npz", arrays), backend="numpy")
+    assert time.perf_counter() - started < 20
+    assert result.distinct_live_entries == 2 * width
+    assert result.total_violations == requests * 2 * width
+    assert result.counts_by_reason["slot_out_of_range"] == requests * width
