@@ -24,6 +24,7 @@ from .common import (
     error_boundary,
     error_message,
     printable,
+    refuse_output_among_inputs,
     user_error,
 )
 from .interrupt import interrupted_record, on_interrupt
@@ -201,6 +202,7 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findin
     if html:
         from kvcanary.report.render import require_renderer
 
+        refuse_output_among_inputs(html, dumps)
         with error_boundary():
             require_renderer()
     sections = []
