@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dump import Dump
-from ..reference.plan import table_entries, verify_entries
+from ..backends.reference.plan import table_entries, verify_entries
 from .launches import _Entries, _Launch, _Launcher, _LiveRequests, _plan_errors, _slot_zero_rows, _verify
 from .matching import _attribute, _row_groups
 from .result import AuditError, CheckedLaunch

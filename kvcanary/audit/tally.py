@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..diagnosis import failed_checks
+from ..findings.diagnosis import failed_checks
 from ..dump import Dump
-from ..evidence import or_by_slot
-from ..reference.plan import verify_entries
-from ..violations import Violation, reason_labels, tag_name
+from ..backends.reference.plan import verify_entries
+from ..findings.evidence import or_by_slot
+from ..format.violations import Violation, reason_labels, tag_name
 from .launches import _Launch
 from .result import AuditResult, Finding, RequestSummary
 
