@@ -34,6 +34,7 @@ layer ``i``'s K (or V) rows of every block. torch and transformers are imported 
 from __future__ import annotations
 
 import logging
+import numbers
 
 import numpy as np
 
@@ -54,6 +55,10 @@ HASH_MODES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL,
               "all": RealKvHashMode.ALL}
 
 
+# Rows of the guard's violation ring: 64 bytes each, so 16M rows are 1 GiB.
+MAX_RING_CAPACITY = 1 << 24
+
+
 def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
           plan_from: str = "read_indices", on_violation="log",
           ring_capacity: int = 4096) -> "Guard":
@@ -67,10 +72,14 @@ def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
     with the block table) or ``"block_table"``. ``on_violation``: ``"log"`` (a WARNING on
     the ``kvcanary`` logger per new finding), ``"raise"`` (stop the generation;
     ``generate_batch`` raises :class:`GuardError`) or a callable receiving each new
-    :class:`~kvcanary.integrations.findings.Finding`.
+    :class:`~kvcanary.integrations.findings.Finding`. ``ring_capacity``: violation rows kept
+    per step, 1 to ``MAX_RING_CAPACITY``.
 
     Raises :class:`GuardError` for a transformers version outside ``SUPPORTED_RANGE`` or a
-    bad argument."""
+    bad argument. A failure inside the guard itself never fails the engine's requests: the
+    guard logs it (ERROR on the ``kvcanary`` logger), steps aside for the rest of the call
+    (the engine runs unguarded) and ``generate_batch`` then raises :class:`GuardError`
+    naming it (the original exception as its cause)."""
     import transformers
 
     if not supported_version(transformers.__version__):
@@ -86,6 +95,10 @@ def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
     if not callable(on_violation) and on_violation not in ON_VIOLATION:
         raise GuardError("kvcanary: on_violation must be 'log', 'raise' or a callable, got "
                          f"{on_violation!r}")
+    if isinstance(ring_capacity, bool) or not isinstance(ring_capacity, numbers.Integral) \
+            or not 1 <= int(ring_capacity) <= MAX_RING_CAPACITY:
+        raise GuardError(f"kvcanary: ring_capacity must be an integer from 1 to "
+                         f"{MAX_RING_CAPACITY}, got {ring_capacity!r}")
     if not hasattr(model, "generate_batch") or not hasattr(model, "config"):
         raise GuardError(f"kvcanary: guard() needs a transformers model with generate_batch, "
                          f"got {type(model).__name__}")
