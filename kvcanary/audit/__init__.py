@@ -54,12 +54,12 @@ from . import distinct
 from .launches import (_Launcher, _live_launches, _live_requests, _slot_zero_rows, _sweep_launches,
                        _verify)
 from .matching import _attribute
-from .result import (CHUNK_ENTRIES, DEFAULT_MAX_FINDINGS, AuditError, AuditResult,
-                     CheckedLaunch, Finding, RequestSummary)
+from .result import (CHUNK_ENTRIES, DEFAULT_MAX_FINDINGS, EAGER_FINDINGS, AuditError, AuditResult,
+                     CheckedLaunch, Finding, FindingList, RequestSummary)
 from .tally import _Tally
 
 __all__ = ["CHUNK_ENTRIES", "DEFAULT_MAX_FINDINGS", "AuditError", "AuditResult", "CheckedLaunch",
-           "Diagnosis", "Finding", "RequestSummary", "audit", "likely_cause"]
+           "Diagnosis", "Finding", "FindingList", "RequestSummary", "audit", "likely_cause"]
 
 
 def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
@@ -148,10 +148,12 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         done += launch.size
         if progress:
             progress(done, total_entries)
-    tally.findings, result.zero_records = _diagnose(tally, d, launcher, live, chunk,
-                                                    grouped, found)
+    findings, result.zero_records = _diagnose(tally, d, launcher, live, chunk, grouped, found)
     tally.fill(result)
+    # A short list is built now; a long one (--max-findings 0 on a flooded dump) stays
+    # arrays, its findings built and diagnosed a batch at a time whenever it is read.
+    result.findings = list(findings) if len(findings) <= EAGER_FINDINGS else findings
     result.counts_by_cause = dict(sorted(Counter(
-        f.diagnosis.cause for f in tally.findings).items()))
+        f.diagnosis.cause for f in result.findings).items()))
     result.elapsed_s = time.perf_counter() - started
     return result

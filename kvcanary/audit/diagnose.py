@@ -14,6 +14,7 @@ from ..findings.evidence import Evidence, record_links
 from ..format.rules import canary_fields
 from .distinct import _distinct_launches, _entry_readers
 from .launches import _Launcher, _live_launches, _LiveRequests, _sweep_launches
+from .result import FindingList
 from .tally import _block_of, _Tally
 
 
@@ -55,10 +56,10 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
     The other users of a finding's slot and the records its stored link continues may sit
     in any chunk, so the live entries are planned once more, keeping only those that read a
     finding's slot or whose record a finding's record continues."""
-    findings = tally.findings
-    if not findings:
-        return findings, 0
-    rows = np.stack([f.violation.to_row() for f in findings])
+    columns = tally.kept.columns(d)
+    if not tally.kept.count:
+        return FindingList(columns), 0
+    rows = columns["rows"]
     fields = canary_fields(d.canary)
     # Zero records are counted only when a finding reads one (the wrong-buffer question).
     count_zero = bool(np.any((rows[:, 2] == 0) & (rows[:, 3] == 0) & (rows[:, 5] == 0)))
@@ -69,7 +70,7 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
     # written record's) asks for no parent among the pool's other zero records.
     targets = np.unique(rows[:, 5])
     targets = targets[targets != 0]
-    interest = np.unique(np.concatenate([rows[:, 1], [f.prev_slot for f in findings]]))
+    interest = np.unique(np.concatenate([rows[:, 1], columns["prev_slot"]]))
     parts, parents, zero_entries, checked = [], [], 0, 0
     for launch, failing, first in _second_pass(d, launcher, live, chunk, tally, grouped, found):
         e = launch.entries
@@ -104,23 +105,42 @@ def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
     asked = asked[(asked >= 0) & (asked < d.num_slots)]
     evidence.failing_slots, evidence.failing_bits = tally.failing_bits_at(asked)
     evidence.zero_entries, evidence.checked_entries = zero_entries, checked
-    stored = {(f.batch_index, f.position): f.violation.position for f in findings
-              if f.kind == "request"}
     swa = d.full_to_swa_index_mapping is not None
     table = "req_to_token" if d.block_table is None else "block_table"
     tables = _DumpTables(d)
-    result = []
-    for f in findings:
-        entry = f.entry()
-        if f.kind == "request" and f.block_index >= 0 and f.position > 0:
-            prev = _block_of(d, f.request_row, f.position - 1)
-            entry = dataclasses.replace(entry, prev_block_index=prev["block_index"],
-                                        prev_block=prev["block"])
-        diagnosis = diagnose(f.violation, entry, evidence, num_slots=d.num_slots, swa=swa,
-                             table=table, swapped_with=lambda b, q: stored.get((b, q)),
-                             tables=tables)
-        result.append(dataclasses.replace(f, diagnosis=diagnosis, cause=diagnosis.text))
-    return result, zero_entries
+    swapped_with = _stored_positions(columns)
+
+    def explain(findings: list) -> list:
+        result = []
+        for f in findings:
+            entry = f.entry()
+            if f.kind == "request" and f.block_index >= 0 and f.position > 0:
+                prev = _block_of(d, f.request_row, f.position - 1)
+                entry = dataclasses.replace(entry, prev_block_index=prev["block_index"],
+                                            prev_block=prev["block"])
+            diagnosis = diagnose(f.violation, entry, evidence, num_slots=d.num_slots, swa=swa,
+                                 table=table, swapped_with=swapped_with, tables=tables)
+            result.append(dataclasses.replace(f, diagnosis=diagnosis, cause=diagnosis.text))
+        return result
+
+    return FindingList(columns, explain), zero_entries
+
+
+def _stored_positions(columns: dict):
+    """``swapped_with(batch index, position)``: the stored position of the request finding
+    there, or None (sorted arrays: a million findings cost no dictionary)."""
+    request = columns["kind"] == 0
+    batch, position = columns["batch_index"][request], columns["position"][request]
+    stored = columns["rows"][request, 2]
+    order = np.lexsort((position, batch))
+    batch, position, stored = batch[order], position[order], stored[order]
+
+    def swapped_with(b: int, q: int):
+        lo, hi = np.searchsorted(batch, b, "left"), np.searchsorted(batch, b, "right")
+        at = lo + int(np.searchsorted(position[lo:hi], q, "right")) - 1   # the last such
+        return int(stored[at]) if lo <= at < hi and position[at] == q else None
+
+    return swapped_with
 
 
 def _second_pass(d, launcher, live, chunk, tally, grouped, found):

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..findings.diagnosis import Diagnosis
+from ..findings.diagnosis import Diagnosis, failed_checks
 from ..format.errors import ToolError
 from ..findings.evidence import Entry
 from ..format.violations import Violation
@@ -70,6 +71,60 @@ class Finding:
         if self.block_index >= 0:
             record.update(block_index=self.block_index, block=self.block)
         return record
+
+
+_KINDS = ("request", "sweep", "unattributed")
+# Kept findings up to which the audit returns a plain list (more stay a FindingList).
+EAGER_FINDINGS = 1 << 16
+# Findings built (and diagnosed) at a time when a long list is read.
+FINDINGS_BATCH = 4096
+
+
+class FindingList(Sequence):
+    """The kept findings of an audit, held as arrays (72 bytes of ring row and a few
+    integers each) and made :class:`Finding` objects with their diagnosis only when read, a
+    batch at a time: a million findings iterate in bounded memory (``--max-findings 0``).
+
+    ``columns``: ``rows`` (int64 ``[n, 8]``), ``kind`` (index into ``request``, ``sweep``,
+    ``unattributed``), ``batch_index``, ``request_row``, ``position``, ``prev_slot``,
+    ``sweep_index``, ``block_index``, ``block``; ``explain(findings)`` gives them their
+    diagnosis (identity when None)."""
+
+    def __init__(self, columns: dict, explain=None):
+        self.columns, self.explain = columns, explain
+
+    def __len__(self) -> int:
+        return int(self.columns["rows"].shape[0])
+
+    def _build(self, begin: int, end: int) -> list:
+        c = self.columns
+        fields = [c[name][begin:end].tolist() for name in (
+            "kind", "batch_index", "request_row", "position", "prev_slot", "sweep_index",
+            "block_index", "block")]
+        findings = [Finding(violation=Violation(*row), kind=_KINDS[kind], batch_index=b,
+                            request_row=r, position=q, prev_slot=prev, sweep_index=sweep,
+                            checks=failed_checks(row[7]), block_index=bi, block=block)
+                    for row, kind, b, r, q, prev, sweep, bi, block in zip(
+                        c["rows"][begin:end].tolist(), *fields)]
+        return self.explain(findings) if self.explain else findings
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            begin, end, step = index.indices(len(self))
+            if step != 1:
+                return self._build(0, len(self))[index]
+            return self._build(begin, max(begin, end))
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError("finding index out of range")
+        return self._build(position, position + 1)[0]
+
+    def __iter__(self):
+        for begin in range(0, len(self), FINDINGS_BATCH):
+            yield from self._build(begin, min(len(self), begin + FINDINGS_BATCH))
+
+    def __eq__(self, other):
+        return list(self) == list(other)
 
 
 @dataclass(frozen=True)
