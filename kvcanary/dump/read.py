@@ -157,10 +157,13 @@ def _check_zip_members(path: str, infos: list) -> None:
     import zipfile
 
     size = os.path.getsize(path)
-    spans, total = [], 0
+    spans, total, seen = [], 0, set()
     for info in infos:
         key = shown_name(info.filename.removesuffix(".npy"))
         where = f"{path}: key {key}:"
+        if info.filename in seen:   # which one a reader takes is the zip library's choice
+            raise DumpError(f"{where} the archive holds two members of this name")
+        seen.add(info.filename)
         if info.flag_bits & 0x1:
             raise DumpError(f"{where} the archive member is encrypted")
         if info.compress_type == zipfile.ZIP_STORED:

@@ -74,3 +74,15 @@ def test_an_unused_extra_member_is_not_decompressed(tmp_path, key):
     assert peak < 8 << 20, peak     # before: the member decompressed whole (24 MiB)
     dump = load(path)
     assert dump.extra[key].shape == blob.shape     # read on first access
+
+
+def test_an_npz_with_two_members_of_one_name_is_refused(tmp_path):
+    import warnings
+
+    path = small_dump(tmp_path / "d.npz")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # zipfile warns of the duplicate name
+        with zipfile.ZipFile(path, "a") as archive, archive.open("seq_lens.npy", "w") as member:
+            np.lib.format.write_array(member, np.array([2]))
+    with pytest.raises(DumpError, match="key seq_lens: the archive holds two members"):
+        load(path)
