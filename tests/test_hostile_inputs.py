@@ -636,7 +636,7 @@ def test_a_paged_request_running_just_past_its_block_table_names_block_minus_one
     result = audit(path, backend="numpy", max_findings=0)
     past = [f for f in result.findings if f.kind == "request" and f.position >= 8]
     assert [(f.position, f.block_index, f.block) for f in past] == [(8, 2, -1), (9, 2, -1)]
-    assert "block -1 (block-table entry 2)" in past[0].where()
+    assert "block-table entry 2 (past the block table), past the table (no slot)" in past[0].where()
 
 
 def test_max_findings_holds_when_rows_cannot_be_attributed(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..findings.diagnosis import Diagnosis, failed_checks
+from ..format.consts import PLAN_SLOT_OUT_OF_TABLE
 from ..format.errors import ToolError
 from ..findings.evidence import Entry
 from ..format.violations import Violation
@@ -48,17 +49,21 @@ class Finding:
                      block_index=self.block_index, block=self.block)
 
     def where(self) -> str:
+        slot = self.violation.slot_idx
+        # The plan's marker for a position past the table is no slot: say so, not 2**63 - 1.
+        at = "past the table (no slot)" if slot == PLAN_SLOT_OUT_OF_TABLE else f"slot {slot}"
         if self.kind == "request":
             block = ""
-            if self.block_index >= 0:
+            if self.block_index >= 0 and self.block < 0:
+                block = f", block-table entry {self.block_index} (past the block table)"
+            elif self.block_index >= 0:
                 block = (f", block {self.block} (block-table entry {self.block_index}"
                          f"{', the null block' if self.block == 0 else ''})")
             return (f"request row {self.request_row} (batch index {self.batch_index}), "
-                    f"position {self.position}{block}, slot {self.violation.slot_idx}")
+                    f"position {self.position}{block}, {at}")
         if self.kind == "sweep":
-            return (f"sweep entry {self.sweep_index}, position {self.position}, "
-                    f"slot {self.violation.slot_idx}")
-        return f"slot {self.violation.slot_idx} (no plan entry reproduces this row)"
+            return f"sweep entry {self.sweep_index}, position {self.position}, {at}"
+        return f"{at} (no plan entry reproduces this row)"
 
     def to_dict(self) -> dict:
         record = self.violation.to_dict()

@@ -156,3 +156,13 @@ def test_batch_entries_on_one_per_token_row_cost_what_the_row_costs():
     assert result.distinct_live_entries == 2 * width
     assert result.total_violations == requests * 2 * width
     assert result.counts_by_reason["slot_out_of_range"] == requests * width
+
+
+def test_a_finding_past_the_block_table_says_so_not_the_marker_slot():
+    arrays = ones_table_dump(1, 4, one_row=False)       # positions 4..7 are past the table
+    result = audit(validate("past.npz", "npz", arrays), backend="numpy")
+    past = [f for f in result.findings if f.position >= 4]
+    assert past and all(f.where().endswith(
+        f"position {f.position}, block-table entry 1 (past the block table), past the table "
+        "(no slot)") for f in past), past[0].where()
+    assert "9223372036854775807" not in past[0].where()
