@@ -54,3 +54,16 @@ def test_a_bug_in_the_guard_runs_the_step_unguarded_and_raises_guard_error(model
                                        continuous_batching_config=batching())
     assert len(outputs) == 4 and all(len(o.generated_tokens) == 4 for o in outputs.values())
     assert second.summary()["steps"] > 0
+
+
+def test_leaving_a_guard_never_entered_is_a_guard_error(model):
+    guard = kvt.guard(model)
+    with pytest.raises(kvt.GuardError, match="never entered"):
+        guard.__exit__(None, None, None)
+
+
+def test_a_guard_that_saw_no_step_says_so(model, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvcanary"), kvt.guard(model):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+    assert any("saw no generate_batch step" in r.getMessage() for r in caplog.records)

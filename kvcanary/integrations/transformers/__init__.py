@@ -180,6 +180,11 @@ class Guard:
         return self
 
     def __exit__(self, *exc) -> bool:
+        if not self._inside:
+            raise GuardError("kvcanary: this guard was never entered (use it as `with guard:`)")
+        if not self.stats["steps"] and exc[0] is None:
+            logger.warning("kvcanary: the guard saw no generate_batch step: only continuous "
+                           "batching (model.generate_batch) is guarded, not model.generate()")
         model = self.model
         if self._had_own_generate:
             model.generate_batch = self._own_generate
