@@ -367,3 +367,17 @@ def test_a_source_that_is_not_a_real_kv_source_is_a_type_error_naming_it():
         assert "real_kv_sources[0] must be a RealKvSource, got str" in str(exc)
     else:
         raise AssertionError("accepted a str as a real-KV source")
+
+
+def test_a_source_cannot_be_changed_through_its_dict_either():
+    import numpy as np
+    import pytest
+
+    import kvcanary as kc
+    source = kc.RealKvSource(np.zeros((4, 32), np.uint8), page_size=1, num_bytes_per_token=32,
+                             read_bytes=32)
+    with pytest.raises(AttributeError):
+        source.__dict__["read_bytes"] = 4096     # before: accepted, and a launch read past
+    with pytest.raises(AttributeError):
+        source.read_bytes = 4096
+    assert source.read_bytes == 32
