@@ -55,7 +55,7 @@ from .launches import (_Launcher, _live_launches, _live_requests, _slot_zero_row
                        _verify)
 from .matching import _attribute
 from .result import (CHUNK_ENTRIES, DEFAULT_MAX_FINDINGS, EAGER_FINDINGS, AuditError, AuditResult,
-                     CheckedLaunch, Finding, FindingList, RequestSummary)
+                     CauseCounts, CheckedLaunch, Finding, FindingList, RequestSummary)
 from .tally import _Tally
 
 __all__ = ["CHUNK_ENTRIES", "DEFAULT_MAX_FINDINGS", "AuditError", "AuditResult", "CheckedLaunch",
@@ -152,8 +152,11 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     tally.fill(result)
     # A short list is built now; a long one (--max-findings 0 on a flooded dump) stays
     # arrays, its findings built and diagnosed a batch at a time whenever it is read.
-    result.findings = list(findings) if len(findings) <= EAGER_FINDINGS else findings
-    result.counts_by_cause = dict(sorted(Counter(
-        f.diagnosis.cause for f in result.findings).items()))
+    if len(findings) <= EAGER_FINDINGS:
+        result.findings = list(findings)
+        result.counts_by_cause = dict(sorted(Counter(
+            f.diagnosis.cause for f in result.findings).items()))
+    else:
+        result.findings, result.counts_by_cause = findings, CauseCounts(findings)
     result.elapsed_s = time.perf_counter() - started
     return result

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -97,6 +98,7 @@ class FindingList(Sequence):
 
     def __init__(self, columns: dict, explain=None):
         self.columns, self.explain = columns, explain
+        self.causes = None   # counted by the first whole pass (Counter of diagnosis causes)
 
     def __len__(self) -> int:
         return int(self.columns["rows"].shape[0])
@@ -125,8 +127,77 @@ class FindingList(Sequence):
         return self._build(position, position + 1)[0]
 
     def __iter__(self):
+        causes = Counter()
         for begin in range(0, len(self), FINDINGS_BATCH):
-            yield from self._build(begin, min(len(self), begin + FINDINGS_BATCH))
+            batch = self._build(begin, min(len(self), begin + FINDINGS_BATCH))
+            causes.update(f.diagnosis.cause for f in batch if f.diagnosis is not None)
+            yield from batch
+        self.causes = causes
+
+    def cause_counts(self) -> dict:
+        """Findings per diagnosis cause, sorted by cause (a pass of its own only when no
+        whole pass has run yet)."""
+        if self.causes is None:
+            for _ in self:
+                pass
+        return dict(sorted(self.causes.items()))
+
+
+class CauseCounts(dict):
+    """``AuditResult.counts_by_cause`` of a :class:`FindingList`: filled when first read, from
+    the pass that printed the findings when there was one (so a million findings are
+    diagnosed once, not twice)."""
+
+    def __init__(self, findings: FindingList):
+        super().__init__()
+        self._findings = findings
+
+    def _fill(self):
+        if self._findings is not None:
+            findings, self._findings = self._findings, None
+            self.update(findings.cause_counts())
+
+    def __getitem__(self, key):
+        self._fill()
+        return super().__getitem__(key)
+
+    def __iter__(self):
+        self._fill()
+        return super().__iter__()
+
+    def __len__(self):
+        self._fill()
+        return super().__len__()
+
+    def __contains__(self, key):
+        self._fill()
+        return super().__contains__(key)
+
+    def __eq__(self, other):
+        self._fill()
+        return super().__eq__(other)
+
+    __hash__ = None
+
+    def __repr__(self):
+        self._fill()
+        return super().__repr__()
+
+    def keys(self):
+        self._fill()
+        return super().keys()
+
+    def items(self):
+        self._fill()
+        return super().items()
+
+    def values(self):
+        self._fill()
+        return super().values()
+
+    def get(self, key, default=None):
+        self._fill()
+        return super().get(key, default)
 
     def __eq__(self, other):
         return list(self) == list(other)

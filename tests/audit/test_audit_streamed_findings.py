@@ -90,3 +90,13 @@ def test_the_page_caps_its_table_and_says_how_many_it_leaves_out(flooded, tmp_pa
     html = page.read_text()
     assert f"{REQUESTS * TOKENS - 100} more are kept but not listed here" in html
     assert html.count('<tr data-reasons=') == 100
+
+
+def test_a_long_list_is_diagnosed_once_when_printed(flooded, monkeypatch):
+    monkeypatch.setattr("kvcanary.audit.EAGER_FINDINGS", 100)
+    import kvcanary.audit.diagnose as diagnose_module
+    calls = []
+    real = diagnose_module.diagnose
+    monkeypatch.setattr(diagnose_module, "diagnose", lambda *a, **k: calls.append(1) or real(*a, **k))
+    CliRunner().invoke(main, ["audit", flooded, "--max-findings", "0", "--format", "json"])
+    assert len(calls) == REQUESTS * TOKENS
