@@ -88,3 +88,12 @@ def test_an_unwritable_page_names_the_page_not_the_temporary(tmp_path, where):
     assert result.exit_code == 2
     assert ".partial" not in result.output and "Traceback" not in result.output
     assert "report.html" in result.output or "dangling" in result.output
+
+
+def test_synth_shows_a_newline_in_its_output_path_escaped(tmp_path):
+    out = tmp_path / "a\nb.npz"
+    result = CliRunner().invoke(main, ["synth", str(out), "--requests", "4", "--slots", "1024",
+                                       "--sources", "0"])
+    assert result.exit_code == 0, result.output
+    wrote = [line for line in result.output.splitlines() if line.startswith("wrote ")]
+    assert wrote and "a\\nb.npz" in wrote[0]
