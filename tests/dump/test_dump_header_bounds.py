@@ -86,3 +86,13 @@ def test_an_npz_with_two_members_of_one_name_is_refused(tmp_path):
             np.lib.format.write_array(member, np.array([2]))
     with pytest.raises(DumpError, match="key seq_lens: the archive holds two members"):
         load(path)
+
+
+def test_a_key_too_long_for_a_file_name_is_refused_before_any_folder_is_made(tmp_path):
+    table = np.zeros((2, 4), np.int64)
+    table[1] = [1, 2, 3, 4]
+    with pytest.raises(DumpError, match="too long for a file name in a directory dump"):
+        save(str(tmp_path / "out" / "d"), canary=np.zeros((5, 32), np.uint8),
+             req_to_token=table, req_pool_indices=np.array([1]), seq_lens=np.array([4]),
+             **{"user_" + "x" * 300: np.array(1)})
+    assert list(tmp_path.iterdir()) == []        # before: an empty folder out/ was left
