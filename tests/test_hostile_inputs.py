@@ -636,7 +636,7 @@ def test_a_paged_request_running_just_past_its_block_table_names_block_minus_one
     result = audit(path, backend="numpy", max_findings=0)
     past = [f for f in result.findings if f.kind == "request" and f.position >= 8]
     assert [(f.position, f.block_index, f.block) for f in past] == [(8, 2, -1), (9, 2, -1)]
-    assert "block -1 (block-table entry 2)" in past[0].where()
+    assert "block-table entry 2 (past the block table), past the table (no slot)" in past[0].where()
 
 
 def test_max_findings_holds_when_rows_cannot_be_attributed(tmp_path, monkeypatch):
@@ -678,14 +678,15 @@ class HandMadeProducer:
     ``dltensor``): ``byte_offset`` into ``backing`` and ``strides`` (None: compact, the
     pointer left NULL), both allowed by the standard, which numpy never produces."""
 
-    def __init__(self, backing: np.ndarray, shape: tuple, byte_offset: int, strides):
+    def __init__(self, backing: np.ndarray, shape: tuple, byte_offset: int, strides, *,
+                 code: int = 1, bits: int = 8):
         self.backing = backing
         self.shape = (ctypes.c_int64 * len(shape))(*shape)
         self.strides = None if strides is None else (ctypes.c_int64 * len(strides))(*strides)
         self.managed = _DLManagedTensor()
         t = self.managed.dl_tensor
         t.data, t.device_type, t.device_id = backing.ctypes.data, 1, 0
-        t.ndim, t.code, t.bits, t.lanes = len(shape), 1, 8, 1
+        t.ndim, t.code, t.bits, t.lanes = len(shape), code, bits, 1
         t.shape = ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64))
         t.strides = (ctypes.cast(self.strides, ctypes.POINTER(ctypes.c_int64))
                      if strides is not None else None)
@@ -711,6 +712,19 @@ def test_a_dlpack_tensor_with_a_byte_offset_or_no_strides_is_read_where_it_lies(
     expected = backing[byte_offset:byte_offset + 128].reshape(4, 32)
     assert np.array_equal(np.asarray(source.tensor), expected)
     assert source.tensor.__array_interface__["data"][0] == backing.ctypes.data + byte_offset
+
+
+@pytest.mark.parametrize("strides", [(64, 1), None], ids=["strided", "compact"])
+def test_a_4_bit_float_tensor_reads_each_row_at_its_own_byte_offset(strides):
+    # float4_e2m1fn (DLPack code 17, 4 bits, two elements a byte, not marked padded) as jax
+    # or ml_dtypes export it: 4 rows of 64 elements, 32 bytes a row, every row distinct. A row
+    # must start at element stride x bits / 8 bytes; a slip reads the first row everywhere.
+    backing = np.arange(128, dtype=np.uint8) * 7 % 251
+    producer = HandMadeProducer(backing, (4, 64), 0, strides, code=17, bits=4)
+    source = kc.RealKvSource(producer, page_size=1, num_bytes_per_token=32, read_bytes=32)
+    rows = np.asarray(source.tensor).reshape(4, -1)[:, :32]
+    assert np.array_equal(rows, backing.reshape(4, 32))
+    assert len({row.tobytes() for row in rows}) == 4
 
 
 # ------------------------------------------------------------ item 14: ignored keys

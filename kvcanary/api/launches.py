@@ -62,7 +62,17 @@ def entries_needed(req_pool_indices, prefix_lens, swa_window_size: int = 0) -> i
     arrays, copied to the host). ``VerifyPlan.allocate`` needs at least this capacity."""
     rows, lens = to_host(req_pool_indices), to_host(prefix_lens).astype(np.int64)
     start = window_start(lens, int(swa_window_size))
-    return int(np.where(rows != REQ_POOL_IDX_PADDING, np.maximum(0, lens - start), 0).sum())
+    counts = np.where(rows != REQ_POOL_IDX_PADDING, np.maximum(0, lens - start), 0)
+    total = int(counts.sum())
+    if counts.size and int(counts.max()) > _INT64_MAX // counts.size:   # the sum may wrap
+        total = sum(int(c) for c in counts.tolist())
+    if total > _INT64_MAX:
+        raise CanaryError(f"prefix_lens: the batch's prefix entries sum to {total}, past int64: no "
+                          "plan can hold them (a corrupt length?)", key="prefix_lens")
+    return total
+
+
+_INT64_MAX = (1 << 63) - 1
 
 
 def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
@@ -167,14 +177,17 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
         A.check_writeable(array, name)
     library = A.same_library(table_name, inputs["req_to_token"],
                              **{k: v for k, v in inputs.items() if k != "req_to_token"}, **outputs)
-    _run(backend or library, library, "plan",
-         dict(inputs, verify_plan=verify_plan, write_plan=write_plan, **scalars))
     if check_capacity is None:
         check_capacity = library == "numpy" or strict
+    # Counted before the launch: a count past int64 is an error, raised with the plans as
+    # they were.
+    needed = entries_needed(rows, inputs["prefix_lens"], scalars["swa_window_size"]) \
+        if check_capacity else None
+    _run(backend or library, library, "plan",
+         dict(inputs, verify_plan=verify_plan, write_plan=write_plan, **scalars))
     if not check_capacity:
         return None
-    report = PlanReport(entries_needed(rows, inputs["prefix_lens"], scalars["swa_window_size"]),
-                        verify_plan.verify_capacity, bs)
+    report = PlanReport(needed, verify_plan.verify_capacity, bs)
     if not report.enabled:
         _too_small(report, verify_plan, strict)
     return report

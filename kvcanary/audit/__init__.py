@@ -23,17 +23,22 @@ dump whose every record is corrupt audits about as fast as a clean one; rows bey
 ``ring_capacity`` count as dropped by upstream's fill-once ring. Checking zero entries is an
 error.
 
+Requests that read the same entries (a shared prefix, a copied table row, batch entries on
+one row) are verified once per distinct entry when they claim at least twice what is
+distinct (``distinct``): each row then counts for every request reading its entry, and a claim
+of more distinct entries than any engine state could hold is refused.
+
 The steps, one module each: ``launches`` builds the entries (``live_launches``,
-``sweep_launches``) and runs one launch (``verify_rows``), ``matching`` names the entry of
-each row (``attribute_rows``), ``tally`` summarises (``Tally``), ``diagnose`` explains
-(``diagnose_findings``); ``result`` holds what the audit returns. :func:`audit`
+``sweep_launches``) and runs one launch (``verify_rows``), ``distinct`` groups shared
+entries, ``matching`` names the entry of each row (``attribute_rows``), ``tally``
+summarises (``Tally``), ``diagnose`` explains (``diagnose_findings``); ``result`` holds what the audit returns. :func:`audit`
 (``engine``) runs the one loop over both kinds of launches.
 """
 
 from ..findings.diagnosis import Diagnosis, likely_cause
 from .engine import audit
 from .result import (CHUNK_ENTRIES, DEFAULT_MAX_FINDINGS, AuditError, AuditResult,
-                     CheckedLaunch, Finding, RequestSummary)
+                     CheckedLaunch, Finding, FindingList, RequestSummary)
 
 __all__ = ["CHUNK_ENTRIES", "DEFAULT_MAX_FINDINGS", "AuditError", "AuditResult", "CheckedLaunch",
-           "Diagnosis", "Finding", "RequestSummary", "audit", "likely_cause"]
+           "Diagnosis", "Finding", "FindingList", "RequestSummary", "audit", "likely_cause"]

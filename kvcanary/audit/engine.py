@@ -15,11 +15,13 @@ from ..backends.resolve import resolve_backend
 from ..format.consts import MAX_REAL_KV_SOURCES
 from ..dump import load
 from ..model.types import check_source_bound, check_source_count
+from . import distinct
 from .diagnose import diagnose_findings
 from .launches import (Launcher, live_launches, live_requests, slot_zero_rows, sweep_launches,
                        verify_rows)
 from .matching import attribute_rows
-from .result import CHUNK_ENTRIES, DEFAULT_MAX_FINDINGS, AuditError, AuditResult, CheckedLaunch
+from .result import (CHUNK_ENTRIES, DEFAULT_MAX_FINDINGS, EAGER_FINDINGS, AuditError,
+                     AuditResult, CauseCounts, CheckedLaunch)
 from .tally import Tally
 
 
@@ -66,6 +68,13 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         text = " ".join(getattr(exc, "detail", str(exc)).splitlines())
         raise AuditError(f"{d.path}: key real_kv_params: {text}") from None
 
+    grouped = None
+    if live_entries > min(distinct.GROUPING_THRESHOLD, distinct.claim_limit(d)):
+        grouped = distinct.group_live(d, live)
+        if grouped is not None:
+            distinct.check_claim(d, grouped)
+        if grouped is not None and distinct.MIN_SHARING * grouped.entries > live_entries:
+            grouped = None    # little is shared: plan every request as it is
     launcher = Launcher(d, chosen, max_real_kv_sources)
     check_token = d.expected_tokens is not None
     result = AuditResult(
@@ -78,9 +87,16 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     keep = min(ring_capacity, max_findings or ring_capacity)
     tally = Tally(d, keep)
     chunk = max(1, int(chunk_entries))
-    done = 0
-    launches = itertools.chain(live_launches(d, launcher, live, chunk),
-                               sweep_launches(d, launcher, chunk))
+    done, found = 0, None
+    if grouped is not None:
+        work = grouped.entries + d.num_sweep_entries
+        found = distinct.verify_groups(d, launcher, grouped, chunk, compat, observe=observe,
+                              progress=progress and (lambda n, _: progress(n, work)), total=work)
+        tally.add_distinct(grouped, found)
+        done, total_entries = grouped.entries, work
+        result.distinct_live_entries = grouped.entries
+    launches = sweep_launches(d, launcher, chunk) if grouped is not None else itertools.chain(
+        live_launches(d, launcher, live, chunk), sweep_launches(d, launcher, chunk))
     for launch in launches:
         rows = verify_rows(launcher, launch)
         entry_of = attribute_rows(rows, launch, launcher)
@@ -95,9 +111,15 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         done += launch.size
         if progress:
             progress(done, total_entries)
-    tally.findings, result.zero_records = diagnose_findings(tally, d, launcher, live, chunk)
+    findings, result.zero_records = diagnose_findings(tally, d, launcher, live, chunk, grouped, found)
     tally.fill(result)
-    result.counts_by_cause = dict(sorted(Counter(
-        f.diagnosis.cause for f in tally.findings).items()))
+    # A short list is built now; a long one (--max-findings 0 on a flooded dump) stays
+    # arrays, its findings built and diagnosed a batch at a time whenever it is read.
+    if len(findings) <= EAGER_FINDINGS:
+        result.findings = list(findings)
+        result.counts_by_cause = dict(sorted(Counter(
+            f.diagnosis.cause for f in result.findings).items()))
+    else:
+        result.findings, result.counts_by_cause = findings, CauseCounts(findings)
     result.elapsed_s = time.perf_counter() - started
     return result

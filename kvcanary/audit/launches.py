@@ -39,7 +39,6 @@ class Launcher:
         self.sources = self.host_sources if self.xp is np else self._sources(self.xp)
         self.canary = dump.canary if self.xp is np else self.xp.asarray(dump.canary)
         self.max_sources = max_real_kv_sources
-        self._first = self._last = None
 
     def _sources(self, xp):
         d = self.dump
@@ -64,23 +63,25 @@ class Launcher:
     def device(self, array):
         return None if array is None else (array if self.xp is np else self.xp.asarray(array))
 
-    def slot_users(self, slots: np.ndarray) -> tuple:
-        """``(first, last)``: per canary slot, the first and last index of ``slots`` holding
-        it. Slots outside the buffer are left out; the tables are reused from launch to
-        launch, so a slot this launch does not use holds a stale index."""
-        # int32 halves the tables' cache footprint; launches past 2**31 entries get int64.
-        dtype = np.int32 if slots.size <= np.iinfo(np.int32).max else np.int64
-        if self._first is None or self._first.dtype != dtype:
-            self._first = np.full(self.dump.num_slots, -1, dtype=dtype)
-            self._last = np.full(self.dump.num_slots, -1, dtype=dtype)
-        index = np.flatnonzero((slots >= 0) & (slots < self.dump.num_slots)).astype(dtype)
-        self._last[slots[index]] = index
-        self._first[slots[index[::-1]]] = index[::-1]
-        return self._first, self._last
+    @staticmethod
+    def slot_users(slots: np.ndarray, asked: np.ndarray) -> tuple:
+        """``(first, last)``: per slot of ``asked``, the first and last index of ``slots``
+        holding it (-1 where none does). A sort of the launch's own entries: the work and
+        memory follow the launch, not the pool (a 16M-slot pool costs what a small one does)."""
+        if slots.size == 0:
+            return np.full(asked.shape, -1, np.int64), np.full(asked.shape, -1, np.int64)
+        order = np.argsort(slots, kind="stable")
+        ordered = slots[order]
+        low = np.searchsorted(ordered, asked, side="left")
+        high = np.searchsorted(ordered, asked, side="right")
+        present = high > low
+        first = np.where(present, order[np.minimum(low, order.size - 1)], -1)
+        last = np.where(present, order[np.maximum(high - 1, 0)], -1)
+        return first, last
 
 
 @dataclass
-class _Entries:
+class Entries:
     """Host copy of one launch's plan entries."""
 
     slots: np.ndarray
@@ -105,7 +106,7 @@ class Launch:
 
     tag: int
     plan: VerifyPlan
-    entries: _Entries
+    entries: Entries
     check_token: bool
     batch_index: np.ndarray | None = None
     sweep_begin: int = 0
@@ -186,7 +187,7 @@ def live_launches(d: Dump, launcher: Launcher, live: LiveRequests, chunk: int):
         verify_plan = VerifyPlan.allocate(total, xp=xp)
         write_plan = WritePlan.allocate(batch.size, xp=xp)
         valid_lens = None if pool is None else device(d.expected_tokens_valid_lens[batch])
-        with _plan_errors(d):
+        with plan_errors(d):
             api.plan(req_pool_indices=device(d.req_pool_indices[batch]),
                      prefix_lens=device(d.seq_lens[batch]),
                      extend_seq_lens=xp.zeros(batch.size, dtype=xp.int64), **table,
@@ -194,7 +195,7 @@ def live_launches(d: Dump, launcher: Launcher, live: LiveRequests, chunk: int):
                      swa_window_size=d.swa_window_size, full_to_swa_index_mapping=lut,
                      req_to_verify_expected_tokens=pool,
                      req_to_verify_expected_tokens_valid_lens=valid_lens)
-        entries = _Entries(*(to_host(a)[:total].copy() for a in (
+        entries = Entries(*(to_host(a)[:total].copy() for a in (
             verify_plan.verify_slot_indices, verify_plan.verify_prev_slot_indices,
             verify_plan.verify_expected_positions, verify_plan.verify_expected_tokens)))
         batch_index = np.repeat(batch, live.lengths[begin:end])
@@ -211,18 +212,18 @@ def _piece_launches(d: Dump, launcher: Launcher, b: int, total: int, chunk: int)
     valid_lens = None if not check_token else d.expected_tokens_valid_lens[b:b + 1]
     for start in range(first, seq_len, chunk):
         size = min(chunk, seq_len - start)
-        with _plan_errors(d):
+        with plan_errors(d):
             slots, positions, prevs, tokens = verify_entries(
                 d.slot_table, d.block_size, d.full_to_swa_index_mapping,
                 d.req_pool_indices[b:b + 1], np.array([start], np.int64),
                 np.array([size], np.int64), size, d.expected_tokens, valid_lens, 0)
-        entries = _Entries(slots, prevs, positions, tokens)
+        entries = Entries(slots, prevs, positions, tokens)
         yield Launch(int(d.launch_tag), entries.plan(launcher.device), entries, check_token,
                       np.full(size, b, dtype=np.int64))
 
 
 @contextmanager
-def _plan_errors(d: Dump):
+def plan_errors(d: Dump):
     """A plan refusal (an SWA slot outside the mapping) as an :class:`AuditError` naming
     the dump."""
     try:
@@ -238,7 +239,7 @@ def sweep_launches(d: Dump, launcher: Launcher, chunk: int):
     tag = int(sweep_tag(d.launch_tag)) if d.num_sweep_entries else 0
     for begin in range(0, d.num_sweep_entries, chunk):
         end = min(d.num_sweep_entries, begin + chunk)
-        entries = _Entries(*(np.ascontiguousarray(a[begin:end], dtype=np.int64) for a in (
+        entries = Entries(*(np.ascontiguousarray(a[begin:end], dtype=np.int64) for a in (
             d.sweep_slot_indices, d.sweep_prev_slot_indices, d.sweep_positions)),
             np.full(end - begin, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64))
         yield Launch(tag, entries.plan(launcher.device), entries, False, sweep_begin=begin)
@@ -254,7 +255,7 @@ def verify_rows(launcher: Launcher, launch: Launch) -> np.ndarray:
     return context.violation_log.rows()
 
 
-def slot_zero_rows(entries: _Entries, tag: int, check_token: bool):
+def slot_zero_rows(entries: Entries, tag: int, check_token: bool):
     """kvcanary's extension: a row for every live prefix entry mapped to padding slot 0."""
     zero = np.flatnonzero(entries.slots == 0)
     tokens = entries.tokens[zero] if check_token else EXPECTED_TOKEN_UNKNOWN

@@ -25,13 +25,9 @@ def attribute_rows(rows: np.ndarray, launch: Launch, launcher: Launcher) -> np.n
     entries, num_slots = launch.entries, launcher.dump.num_slots
     row_slots = np.ascontiguousarray(rows[:, 1])
     in_range = (row_slots >= 0) & (row_slots < num_slots)
-    first, last = launcher.slot_users(entries.slots)
-    slot = np.where(in_range, row_slots, 0)
-    candidate, earliest = np.take(last, slot), np.take(first, slot)
-    # The tables outlive the launch: an entry of this launch must hold the row's slot.
-    candidate = np.where(in_range & (candidate >= 0) & (candidate < launch.size), candidate,
-                         0).astype(np.int64)
-    used = in_range & (np.take(entries.slots, candidate) == row_slots)
+    earliest, candidate = launcher.slot_users(entries.slots, row_slots)
+    used = in_range & (candidate >= 0)
+    candidate = np.maximum(candidate, 0)
     single = used & (earliest == candidate)
     expected = np.take(entries.tokens, candidate) if launch.check_token else EXPECTED_TOKEN_UNKNOWN
     single &= rows[:, 4] == expected
@@ -80,7 +76,7 @@ def _occurrence(groups: np.ndarray, order_key: np.ndarray) -> np.ndarray:
     return rank
 
 
-def _row_groups(rows: np.ndarray) -> np.ndarray:
+def row_groups(rows: np.ndarray) -> np.ndarray:
     """A group id per row, equal for identical rows (``np.unique(axis=0)`` sorts the rows as
     opaque bytes, many times slower than a lexsort of the columns)."""
     order = np.lexsort(rows.T[::-1])
@@ -101,7 +97,7 @@ def _match_rows(rows: np.ndarray, predicted: np.ndarray, entries: np.ndarray) ->
     if predicted.shape == rows.shape and np.array_equal(predicted, rows):
         return entries.astype(np.int64, copy=True)   # rows in entry order (the reference's)
     n = rows.shape[0]
-    groups = _row_groups(np.concatenate([rows, predicted]))
+    groups = row_groups(np.concatenate([rows, predicted]))
     span = max(n, predicted.shape[0]) + 1
     row_keys = groups[:n] * span + _occurrence(groups[:n], np.arange(n))
     predicted_keys = groups[n:] * span + _occurrence(groups[n:], entries)

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..findings.diagnosis import Diagnosis
+from ..findings.diagnosis import Diagnosis, failed_checks
+from ..format.consts import PLAN_SLOT_OUT_OF_TABLE
 from ..format.errors import ToolError
 from ..findings.evidence import Entry
 from ..format.violations import Violation
@@ -47,17 +50,21 @@ class Finding:
                      block_index=self.block_index, block=self.block)
 
     def where(self) -> str:
+        slot = self.violation.slot_idx
+        # The plan's marker for a position past the table is no slot: say so, not 2**63 - 1.
+        at = "past the table (no slot)" if slot == PLAN_SLOT_OUT_OF_TABLE else f"slot {slot}"
         if self.kind == "request":
             block = ""
-            if self.block_index >= 0:
+            if self.block_index >= 0 and self.block < 0:
+                block = f", block-table entry {self.block_index} (past the block table)"
+            elif self.block_index >= 0:
                 block = (f", block {self.block} (block-table entry {self.block_index}"
                          f"{', the null block' if self.block == 0 else ''})")
             return (f"request row {self.request_row} (batch index {self.batch_index}), "
-                    f"position {self.position}{block}, slot {self.violation.slot_idx}")
+                    f"position {self.position}{block}, {at}")
         if self.kind == "sweep":
-            return (f"sweep entry {self.sweep_index}, position {self.position}, "
-                    f"slot {self.violation.slot_idx}")
-        return f"slot {self.violation.slot_idx} (no plan entry reproduces this row)"
+            return f"sweep entry {self.sweep_index}, position {self.position}, {at}"
+        return f"{at} (no plan entry reproduces this row)"
 
     def to_dict(self) -> dict:
         record = self.violation.to_dict()
@@ -70,6 +77,130 @@ class Finding:
         if self.block_index >= 0:
             record.update(block_index=self.block_index, block=self.block)
         return record
+
+
+_KINDS = ("request", "sweep", "unattributed")
+# Kept findings up to which the audit returns a plain list (more stay a FindingList).
+EAGER_FINDINGS = 1 << 16
+# Findings built (and diagnosed) at a time when a long list is read.
+FINDINGS_BATCH = 4096
+
+
+class FindingList(Sequence):
+    """The kept findings of an audit, held as arrays (72 bytes of ring row and a few
+    integers each) and made :class:`Finding` objects with their diagnosis only when read, a
+    batch at a time: a million findings iterate in bounded memory (``--max-findings 0``).
+
+    ``columns``: ``rows`` (int64 ``[n, 8]``), ``kind`` (index into ``request``, ``sweep``,
+    ``unattributed``), ``batch_index``, ``request_row``, ``position``, ``prev_slot``,
+    ``sweep_index``, ``block_index``, ``block``; ``explain(findings)`` gives them their
+    diagnosis (identity when None)."""
+
+    def __init__(self, columns: dict, explain=None):
+        self.columns, self.explain = columns, explain
+        self.causes = None   # counted by the first whole pass (Counter of diagnosis causes)
+
+    def __len__(self) -> int:
+        return int(self.columns["rows"].shape[0])
+
+    def _build(self, begin: int, end: int) -> list:
+        c = self.columns
+        fields = [c[name][begin:end].tolist() for name in (
+            "kind", "batch_index", "request_row", "position", "prev_slot", "sweep_index",
+            "block_index", "block")]
+        findings = [Finding(violation=Violation(*row), kind=_KINDS[kind], batch_index=b,
+                            request_row=r, position=q, prev_slot=prev, sweep_index=sweep,
+                            checks=failed_checks(row[7]), block_index=bi, block=block)
+                    for row, kind, b, r, q, prev, sweep, bi, block in zip(
+                        c["rows"][begin:end].tolist(), *fields)]
+        return self.explain(findings) if self.explain else findings
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            begin, end, step = index.indices(len(self))
+            if step != 1:
+                return self._build(0, len(self))[index]
+            return self._build(begin, max(begin, end))
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError("finding index out of range")
+        return self._build(position, position + 1)[0]
+
+    def __iter__(self):
+        causes = Counter()
+        for begin in range(0, len(self), FINDINGS_BATCH):
+            batch = self._build(begin, min(len(self), begin + FINDINGS_BATCH))
+            causes.update(f.diagnosis.cause for f in batch if f.diagnosis is not None)
+            yield from batch
+        self.causes = causes
+
+    def cause_counts(self) -> dict:
+        """Findings per diagnosis cause, sorted by cause (a pass of its own only when no
+        whole pass has run yet)."""
+        if self.causes is None:
+            for _ in self:
+                pass
+        return dict(sorted(self.causes.items()))
+
+
+class CauseCounts(dict):
+    """``AuditResult.counts_by_cause`` of a :class:`FindingList`: filled when first read, from
+    the pass that printed the findings when there was one (so a million findings are
+    diagnosed once, not twice)."""
+
+    def __init__(self, findings: FindingList):
+        super().__init__()
+        self._findings = findings
+
+    def _fill(self):
+        if self._findings is not None:
+            findings, self._findings = self._findings, None
+            self.update(findings.cause_counts())
+
+    def __getitem__(self, key):
+        self._fill()
+        return super().__getitem__(key)
+
+    def __iter__(self):
+        self._fill()
+        return super().__iter__()
+
+    def __len__(self):
+        self._fill()
+        return super().__len__()
+
+    def __contains__(self, key):
+        self._fill()
+        return super().__contains__(key)
+
+    def __eq__(self, other):
+        self._fill()
+        return super().__eq__(other)
+
+    __hash__ = None
+
+    def __repr__(self):
+        self._fill()
+        return super().__repr__()
+
+    def keys(self):
+        self._fill()
+        return super().keys()
+
+    def items(self):
+        self._fill()
+        return super().items()
+
+    def values(self):
+        self._fill()
+        return super().values()
+
+    def get(self, key, default=None):
+        self._fill()
+        return super().get(key, default)
+
+    def __eq__(self, other):
+        return list(self) == list(other)
 
 
 @dataclass(frozen=True)
@@ -133,6 +264,9 @@ class AuditResult:
     zero_records: int = 0     # live entries whose record is all zeros (counted when dirty)
     unattributed: int = 0
     elapsed_s: float = 0.0
+    # Live entries verified when requests share them (each once, attributed to every
+    # reader); 0 when every request was planned as it is.
+    distinct_live_entries: int = 0
 
     @property
     def entries_checked(self) -> int:
@@ -172,6 +306,7 @@ class AuditResult:
     def summary_record(self) -> dict:
         return {"record": "summary", "dump": self.path, "entries_checked": self.entries_checked,
                 "live_entries": self.live_entries, "sweep_entries": self.sweep_entries,
+                "distinct_live_entries": self.distinct_live_entries or self.live_entries,
                 "violations": self.total_violations, "reported": len(self.findings),
                 "ring_overflow": self.ring_overflow, "dropped": self.dropped,
                 "findings_cut": self.findings_cut, "findings_omitted": self.findings_omitted,

@@ -24,6 +24,7 @@ from .common import (
     error_boundary,
     error_message,
     printable,
+    refuse_output_among_inputs,
     user_error,
 )
 from .interrupt import interrupted_record, on_interrupt
@@ -75,8 +76,10 @@ def render_text(result, echo) -> None:
     echo(f"audit {r.path}: {r.live_requests} live request(s), {r.num_slots} slots, tag "
          f"{r.launch_tag}, {sources}{window}, {checks}, backend {r.backend}"
          + ("" if not r.compat else ", --compat (kvcanary extensions off)"))
-    if r.findings:   # one write for all findings: a flooded dump prints thousands of lines
-        echo("\n".join(line for finding in r.findings for line in (
+    # A write per batch of findings: a flooded dump prints millions of lines, streamed
+    # (--max-findings 0 keeps every finding, built a batch at a time).
+    for batch in _batches(r.findings):
+        echo("\n".join(line for finding in batch for line in (
             finding.violation.log_line(),
             f"  at: {finding.where()}",
             f"  failed checks: {', '.join(finding.checks) or 'none'}",
@@ -87,6 +90,21 @@ def render_text(result, echo) -> None:
     if r.requests:
         echo(requests_line(r))
     echo(summary_line(r))
+
+
+def _batches(findings, size: int | None = None):
+    """The findings in lists of ``size`` (one write each; by default the audit's batch)."""
+    from kvcanary.audit import result as audit_result
+
+    size = size or audit_result.FINDINGS_BATCH
+    batch = []
+    for finding in findings:
+        batch.append(finding)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def requests_line(r) -> str:
@@ -117,9 +135,9 @@ def summary_line(r) -> str:
 
 def render_json(result, echo) -> None:
     echo(json.dumps(result.config_record()))
-    if result.findings:
+    for batch in _batches(result.findings):
         echo("\n".join(json.dumps({"record": "violation", "dump": result.path,
-                                   **finding.to_dict()}) for finding in result.findings))
+                                   **finding.to_dict()}) for finding in batch))
     echo(json.dumps(result.summary_record()))
 
 
@@ -202,6 +220,7 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findin
     if html:
         from kvcanary.report.render import require_renderer
 
+        refuse_output_among_inputs(html, dumps)
         with error_boundary():
             require_renderer()
     sections = []

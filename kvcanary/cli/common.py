@@ -98,6 +98,25 @@ def error_boundary():
         fail(message)
 
 
+def refuse_output_among_inputs(output: str | None, inputs, option: str = "--html") -> None:
+    """One error line (exit 2) when ``output`` is one of ``inputs`` or inside an input that
+    is a directory (a directory dump): writing it would replace what is being read. Both
+    sides are compared where their links lead, since the output is written where its link
+    points."""
+    if output is None:
+        return
+    target = os.path.realpath(output)
+    for path in inputs:
+        if path == "-":
+            continue
+        source = os.path.realpath(path)
+        inside = os.path.isdir(source) and os.path.commonpath([source, target]) == source
+        if target == source or inside:
+            what = "is" if target == source else "is inside"
+            fail(f"{option} {printable(output)}: {what} the input {printable(path)}; "
+                 "an input is never written: choose another path")
+
+
 class Progress:
     """``label: done/total (percent)`` redrawn on stderr; silent when stderr is not a
     terminal. The last draw is always the final count, so 100% shows exactly once, at the

@@ -146,6 +146,8 @@ def explain_command(logs, fmt, max_findings, html):
     if html:   # before any work: a missing extra is one error line, exit 2
         from kvcanary.report.render import require_renderer
 
+        from .common import refuse_output_among_inputs
+        refuse_output_among_inputs(html, logs)
         with error_boundary():
             require_renderer()
     x = _read_all(logs)

@@ -11,7 +11,7 @@ from kvcanary.audit import DEFAULT_MAX_FINDINGS
 from kvcanary.backends.resolve import LIBRARIES
 from kvcanary.synth import MODES
 
-from .common import SEED_RANGE, Progress, error_boundary, fail
+from .common import SEED_RANGE, Progress, error_boundary, fail, printable
 from .interrupt import unwritten
 
 
@@ -136,7 +136,8 @@ def synth_command(out, mode, backend, inject, max_listed, force, **values):
     s = synthesis.stats
     rows, seq_lens = synthesis.live()
     where = "directory" if container == "dir" else f"{container} file"
-    click.echo(f"wrote {os.path.abspath(written)} ({where}): {synthesis.num_canary_slots} slots, "
+    click.echo(f"wrote {printable(os.path.abspath(written))} ({where}): "
+               f"{synthesis.num_canary_slots} slots, "
                f"{rows.shape[0]} live requests ({int(seq_lens.sum())} prefix tokens), "
                f"{len(synthesis.cache)} cached blocks, {config.sources} real-KV source(s) in "
                f"{config.mode} mode" + (f", SWA window {config.swa_window}"

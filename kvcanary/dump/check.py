@@ -184,13 +184,40 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     _load_expected(c, dump, bs)
     _load_sweep(c, dump)
 
+    dump.extra = _Extras()
     for key, value in values.items():
         if key in KNOWN_KEYS or key.startswith(REAL_KV_PREFIX):
             continue
-        if value.dtype.kind == "U" and value.ndim == 0 and _valid_unicode(value):
-            value = str(value[()])  # (invalid unicode stays an array: audit ignores extras)
-        dump.extra[key] = value
+        dict.__setitem__(dump.extra, key, value if hasattr(value, "load") else _extra(value))
     return dump
+
+
+def _extra(value):
+    """An extra as the dump holds it: a unicode scalar as ``str`` (invalid unicode stays an
+    array: the audit ignores extras)."""
+    if value.dtype.kind == "U" and value.ndim == 0 and _valid_unicode(value):
+        return str(value[()])
+    return value
+
+
+class _Extras(dict):
+    """``Dump.extra``: an ``.npz`` member is read on first access, never by the audit."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if hasattr(value, "load"):
+            value = _extra(value.load())
+            super().__setitem__(key, value)
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def values(self):
+        return [self[key] for key in self]
+
+    def items(self):
+        return [(key, self[key]) for key in self]
 
 
 def _load_slot_table(c: _Checker) -> tuple:

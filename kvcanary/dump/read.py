@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from .model import VERSION_KEY, DumpError, check_key_names, flavour_of, is_read_key
+from .model import (SYNTH_KEY_PREFIX, USER_KEY_PREFIX, VERSION_KEY, DumpError, check_key_names,
+                    flavour_of, is_read_key)
 
 
 # safetensors dtype names numpy can represent; others are read as raw bytes.
@@ -41,6 +42,9 @@ MAX_NPZ_EXPANSION = 256
 MAX_NPZ_EXPANSION_FLOOR = 256 << 20
 _DEFLATE_MAX_RATIO = 1032
 MAX_SAFETENSORS_HEADER = 1 << 20
+# A .npy header (a short dict literal) is at most numpy's own limit, checked before it is read:
+# numpy reads the whole declared header (up to 4 GiB in format 2.0) before refusing it.
+MAX_NPY_HEADER = 10000
 _NPY_MAGIC = b"\x93NUMPY"
 
 
@@ -51,6 +55,16 @@ def _npy_layout(fp) -> tuple:
 
     start = fp.tell()
     version = npy_format.read_magic(fp)
+    if version in ((1, 0), (2, 0)):
+        width = 2 if version == (1, 0) else 4
+        declared = fp.read(width)
+        if len(declared) == width:
+            length = int.from_bytes(declared, "little")
+            if length > MAX_NPY_HEADER:
+                raise ValueError(f"the .npy header declares {length} bytes, above the limit of "
+                                 f"{MAX_NPY_HEADER} (a dump's headers are a short line)")
+        fp.seek(start)
+        npy_format.read_magic(fp)
     if version == (1, 0):
         shape, _, dtype = npy_format.read_array_header_1_0(fp)
     elif version == (2, 0):
@@ -110,9 +124,32 @@ def _read_npz(path: str) -> dict:
                         f"{path}: key {key}: the .npy header declares "
                         f"{_describe(shape, dtype, nbytes)} but the archive member holds "
                         f"{max(0, info.file_size - header)} bytes of data")
+                if name.startswith(_LAZY_PREFIXES):
+                    values[name] = LazyMember(path, info.filename, key)
+                    continue
                 with archive.open(info) as member:
                     values[name] = npy_format.read_array(member, allow_pickle=False)
     return values
+
+
+class LazyMember:
+    """A ``user_``/``synth_`` member of an ``.npz`` whose header was checked and whose data is
+    read only when someone asks for it (the audit never does: an unused key costs nothing)."""
+
+    def __init__(self, path: str, member: str, key: str):
+        self.path, self.member, self.key = path, member, key
+
+    def load(self) -> np.ndarray:
+        import zipfile
+
+        from numpy.lib import format as npy_format
+
+        with _reading(f"{self.path}: key {self.key}: cannot read"):
+            with zipfile.ZipFile(self.path) as archive, archive.open(self.member) as member:
+                return npy_format.read_array(member, allow_pickle=False)
+
+
+_LAZY_PREFIXES = (SYNTH_KEY_PREFIX, USER_KEY_PREFIX)
 
 
 def _check_zip_members(path: str, infos: list) -> None:
@@ -122,10 +159,13 @@ def _check_zip_members(path: str, infos: list) -> None:
     import zipfile
 
     size = os.path.getsize(path)
-    spans, total = [], 0
+    spans, total, seen = [], 0, set()
     for info in infos:
         key = shown_name(info.filename.removesuffix(".npy"))
         where = f"{path}: key {key}:"
+        if info.filename in seen:   # which one a reader takes is the zip library's choice
+            raise DumpError(f"{where} the archive holds two members of this name")
+        seen.add(info.filename)
         if info.flag_bits & 0x1:
             raise DumpError(f"{where} the archive member is encrypted")
         if info.compress_type == zipfile.ZIP_STORED:

@@ -98,12 +98,21 @@ def save(path, **arrays) -> str:
     return path
 
 
+# The longest file name most file systems hold (bytes).
+_NAME_MAX = 255
+
+
 def _write(path: str, flavour: str, values: dict) -> None:
     if flavour == "npz":
         with replacing(path) as temporary, open(temporary, "wb") as handle:
             np.savez(handle, **values)
     elif flavour == "dir":
         _check_replaceable_directory(path)
+        for key in values:   # before anything is created: a name the system cannot hold
+            if len(os.fsencode(f"{key}.npy")) > _NAME_MAX:
+                raise DumpError(f"{path}: key {key[:40]}...: too long for a file name in a "
+                                f"directory dump (at most {_NAME_MAX - 4} bytes; an .npz "
+                                "holds it)")
         with replacing(path, directory=True) as temporary:
             for key, array in values.items():
                 np.save(os.path.join(temporary, f"{key}.npy"), array, allow_pickle=False)

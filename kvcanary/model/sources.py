@@ -61,6 +61,11 @@ class RealKvSource:
     object graph copied whole keeps the producer's tensor and its source one buffer.
     """
 
+    # No __dict__: a field cannot be changed behind __setattr__'s back either (through
+    # ``source.__dict__``, which let a launch read past the tensor).
+    __slots__ = ("tensor", "_producer_tensor", "page_size", "num_bytes_per_token",
+                 "read_bytes", "_frozen")
+
     def __init__(self, tensor, *, page_size: int, num_bytes_per_token: int, read_bytes: int):
         self.check_layout(page_size, num_bytes_per_token, read_bytes)
         self.tensor = _byte_rows(tensor, "RealKvSource.tensor")
@@ -74,7 +79,7 @@ class RealKvSource:
         # Immutable once built: the layout was checked against the tensor here, and a launch
         # reads exactly the bytes that layout names (a larger read_bytes set later made the
         # kernels read past the tensor while the reference clamped).
-        if self.__dict__.get("_frozen"):
+        if getattr(self, "_frozen", False):
             raise AttributeError(f"{ERROR_PREFIX}RealKvSource is immutable (cannot set {name}); "
                                  "build a new source for another layout")
         super().__setattr__(name, value)

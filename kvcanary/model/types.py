@@ -18,7 +18,7 @@ from ..format.consts import (
     VIOLATION_WRITE_INDEX_MAX,
     RealKvHashMode,
 )
-from ..format.errors import CanaryError
+from ..format.errors import CanaryError, CanaryTypeError
 from .plans import VerifyPlan, WritePlan
 from .sources import RealKvSource, check_source_bound, check_source_count
 

@@ -16,6 +16,8 @@ are, so any command whose JSON report has this shape renders with :func:`write_h
 
 from __future__ import annotations
 
+import itertools
+
 from .. import __version__
 
 
@@ -30,6 +32,11 @@ def dump_metadata(dump) -> dict:
             "expected tokens": dump.expected_tokens is not None}
 
 
+# Findings the page's table lists per dump: a flooded dump with --max-findings 0 keeps
+# millions; the page says how many it leaves out and --format json lists every one.
+TABLE_FINDINGS = 10_000
+
+
 def audit_section(result, maps=None, metadata=None) -> dict:
     """A section from a :class:`kvcanary.audit.AuditResult` and, when given, the
     :class:`~kvcanary.report.maps.ReportMaps` it was observed with and :func:`dump_metadata`."""
@@ -38,7 +45,9 @@ def audit_section(result, maps=None, metadata=None) -> dict:
     return {"name": result.path, "metadata": {**(metadata or {}), **config},
             "summary": {key: value for key, value in result.summary_record().items()
                         if key not in ("record", "dump")},
-            "findings": [finding.to_dict() for finding in result.findings],
+            "findings": [finding.to_dict()
+                         for finding in itertools.islice(result.findings, TABLE_FINDINGS)],
+            "findings_left_out": max(0, len(result.findings) - TABLE_FINDINGS),
             "maps": maps.to_dict() if maps is not None else None, "error": None}
 
 

@@ -136,7 +136,12 @@ def write_html(report: dict, path: str) -> str:
 
         write_html(build_report([audit_section(result, maps)]), "report.html")"""
     page = render_html(report)
-    with replacing(path) as temporary:
-        with open(temporary, "w", encoding="utf-8") as out:
-            out.write(page)
+    try:
+        with replacing(path) as temporary:
+            with open(temporary, "w", encoding="utf-8") as out:
+                out.write(page)
+    except OSError as exc:
+        # Named by the report's path: not standard output (a write error without a file
+        # name), nor the hidden temporary beside it.
+        raise OSError(exc.errno, exc.strerror or str(exc), path) from None
     return path

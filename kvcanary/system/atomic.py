@@ -14,6 +14,7 @@ import stat
 import sys
 import tempfile
 
+from ..format.errors import GUARD_PREFIX
 from .signals import Interrupted, signals_held
 
 TEMPORARY_SUFFIX = ".partial"
@@ -34,10 +35,17 @@ def replacing(path: str, *, directory: bool = False):
     folder, name = os.path.split(path)
     if directory:
         os.makedirs(folder, exist_ok=True)
-        temporary = tempfile.mkdtemp(prefix=f".{name}.", suffix=TEMPORARY_SUFFIX, dir=folder)
+    removed = remove_stale_temporaries(folder, name)
+    if removed:
+        print(f"{GUARD_PREFIX}removed {len(removed)} partial output(s) of writers that died: "
+              f"{', '.join(removed)}", file=sys.stderr)
+    # The writer's process id in the name: the next save can tell a dead writer's leftover
+    # (SIGKILL leaves it) from a live concurrent writer's.
+    prefix = f".{name}.{os.getpid()}."
+    if directory:
+        temporary = tempfile.mkdtemp(prefix=prefix, suffix=TEMPORARY_SUFFIX, dir=folder)
     else:
-        handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMPORARY_SUFFIX,
-                                             dir=folder)
+        handle, temporary = tempfile.mkstemp(prefix=prefix, suffix=TEMPORARY_SUFFIX, dir=folder)
         os.close(handle)
     replaced = False
     try:
@@ -54,6 +62,37 @@ def replacing(path: str, *, directory: bool = False):
             exc.output_written = True
         _remove(temporary)
         raise
+
+
+def remove_stale_temporaries(folder: str, name: str) -> list:
+    """Remove ``.NAME.PID.*.partial`` beside ``NAME`` whose writer ``PID`` is no longer
+    running (a live writer's is left alone); returns the names removed."""
+    removed = []
+    start = f".{name}."
+    try:
+        entries = os.listdir(folder or ".")
+    except OSError:
+        return removed
+    for entry in entries:
+        if not (entry.startswith(start) and entry.endswith(TEMPORARY_SUFFIX)):
+            continue
+        pid = entry[len(start):].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            _remove(os.path.join(folder, entry))
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:   # exists, owned by someone else
+        return True
+    return True
 
 
 def _special(path: str) -> bool:

@@ -349,3 +349,35 @@ def test_cli_prints_the_detail():
     assert user_error(kc.CanaryError("bs=9 exceeds write_req_capacity=8")) == \
         "bs=9 exceeds write_req_capacity=8"
     assert user_error(CudaUnavailable("cupy sees no CUDA device")) == "cupy sees no CUDA device"
+
+
+def test_a_source_that_is_not_a_real_kv_source_is_a_type_error_naming_it():
+    import numpy as np
+
+    import kvcanary as kc
+    context = kc.CanaryContext(np.zeros((4, 32), np.uint8), kernel_kind=kc.LaunchTag.TAIL_K_FULL,
+                               violation_log=kc.ViolationLog.allocate(1),
+                               slot_run_counter=np.zeros(1, np.int64),
+                               kernel_run_counter=np.zeros(1, np.int64), real_kv_sources=["x"],
+                               real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    try:
+        context.validate_sources()
+    except kc.CanaryError as exc:   # before: NameError (CanaryTypeError was not imported)
+        assert isinstance(exc, TypeError)
+        assert "real_kv_sources[0] must be a RealKvSource, got str" in str(exc)
+    else:
+        raise AssertionError("accepted a str as a real-KV source")
+
+
+def test_a_source_cannot_be_changed_through_its_dict_either():
+    import numpy as np
+    import pytest
+
+    import kvcanary as kc
+    source = kc.RealKvSource(np.zeros((4, 32), np.uint8), page_size=1, num_bytes_per_token=32,
+                             read_bytes=32)
+    with pytest.raises(AttributeError):
+        source.__dict__["read_bytes"] = 4096     # before: accepted, and a launch read past
+    with pytest.raises(AttributeError):
+        source.read_bytes = 4096
+    assert source.read_bytes == 32

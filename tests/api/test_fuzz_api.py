@@ -42,7 +42,7 @@ MUTATIONS = ("dtype", "float", "ndim", "length", "strided", "misaligned", "reado
 # Errors valid (unmutated) arguments may still raise, documented on the API.
 DOCUMENTED = ("outside full_to_swa_index_mapping length", "exceeds write_req_capacity",
               "row is too narrow", "violation_ring must have shape [N, 8] with N >= 1",
-              "entries but the write plan covers")
+              "entries but the write plan covers", "past int64: no plan can hold them")
 
 
 def mixed(lo: int, hi: int):

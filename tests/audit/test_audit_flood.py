@@ -161,3 +161,24 @@ def test_a_duplicated_row_is_counted_but_not_attributed_twice(flooded, monkeypat
     assert sum(r.violations for r in result.requests) == REQUESTS * TOKENS
     assert result.counts_by_entry == {"request": REQUESTS * TOKENS, "unattributed": launches}
     assert sum(f.kind == "unattributed" for f in result.findings) == launches
+
+
+def test_rows_on_shared_slots_find_their_entries_in_any_order(tmp_path, monkeypatch):
+    """Two requests read the same slots at other positions (as many rows as predictions, all
+    on shared slots): a GPU's ring gives them in any order; each still goes to its entry."""
+    arrays = written(2, 64)
+    arrays["req_to_token"][2] = arrays["req_to_token"][1][::-1]   # row 2 reads row 1's slots
+    flip_positions(arrays, 1, np.arange(64))                       # and both fail on each
+    path = save(str(tmp_path / "shared.npz"), **arrays)
+    reference = audit(path, backend="numpy", max_findings=0)
+    assert reference.total_violations == 128 and reference.unattributed == 0
+    verify = audit_module.verify_rows
+
+    def reversed_rows(launcher, launch):
+        return verify(launcher, launch)[::-1].copy()
+
+    monkeypatch.setattr(audit_module, "verify_rows", reversed_rows)
+    result = audit(path, backend="numpy", max_findings=0)
+    key = lambda f: (f.request_row, f.position, f.violation)   # noqa: E731
+    assert result.unattributed == 0
+    assert sorted(map(key, result.findings)) == sorted(map(key, reference.findings))

@@ -126,3 +126,28 @@ def test_a_link_is_followed_and_a_device_written_in_place(tmp_path):
     assert (tmp_path / "link.txt").is_symlink() and real.read_text() == "new"
     with replacing(os.devnull) as temporary:
         assert temporary == os.devnull
+
+
+def test_the_next_save_removes_what_a_killed_writer_left_and_says_so(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from kvcanary.dump import save
+
+    target = tmp_path / "d"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale_dir = tmp_path / f".d.{dead}.abc123.partial"       # a directory writer's, SIGKILLed
+    stale_dir.mkdir()
+    (stale_dir / "canary.npy").write_bytes(b"x" * 1000)
+    live = tmp_path / f".d.{os.getpid()}.zzz.partial"        # a live writer's: left alone
+    live.mkdir()
+    table = np.zeros((2, 4), np.int64)
+    table[1] = [1, 2, 3, 4]
+    save(str(target), canary=np.zeros((5, 32), np.uint8), req_to_token=table,
+         req_pool_indices=np.array([1]), seq_lens=np.array([4]))
+    assert not stale_dir.exists() and live.exists()
+    assert f"removed 1 partial output(s) of writers that died: .d.{dead}.abc123.partial" in \
+        capsys.readouterr().err

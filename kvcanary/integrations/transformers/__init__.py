@@ -37,6 +37,7 @@ layer ``i``'s K (or V) rows of every block. torch and transformers are imported 
 from __future__ import annotations
 
 import logging
+import numbers
 
 import numpy as np
 
@@ -45,7 +46,7 @@ from ...format.consts import HASH_MODE_NAMES, RealKvHashMode
 from ...dump import save as save_dump
 from ...format.violations import Violation
 from ..findings import Finding, Sighting
-from ...format.errors import GuardError
+from ...format.errors import GUARD_PREFIX, GuardError
 from .hooks import SUPPORTED_RANGE, SUPPORTED_VERSIONS, Hooks, supported_version
 from .groups import CacheSession, check_model
 from .session import Session  # noqa: F401  (tests patch it)
@@ -56,6 +57,10 @@ SOURCE_PRESETS = ("k0", "kv-all")
 PLAN_FROM = ("read_indices", "block_table")
 ON_VIOLATION = ("log", "raise")
 HASH_MODES = HASH_MODE_NAMES
+
+
+# Rows of the guard's violation ring: 64 bytes each, so 16M rows are 1 GiB.
+MAX_RING_CAPACITY = 1 << 24
 
 
 def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
@@ -71,11 +76,15 @@ def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
     with the block table) or ``"block_table"``. ``on_violation``: ``"log"`` (a WARNING on
     the ``kvcanary`` logger per new finding), ``"raise"`` (stop the generation;
     ``generate_batch`` raises :class:`GuardError`) or a callable receiving each new
-    :class:`~kvcanary.integrations.findings.Finding`.
+    :class:`~kvcanary.integrations.findings.Finding`. ``ring_capacity``: violation rows kept
+    per step, 1 to ``MAX_RING_CAPACITY``.
 
     Raises :class:`GuardError` for a transformers version outside ``SUPPORTED_RANGE``, a
     model whose layers are neither full nor sliding-window attention (or a window under 2
-    tokens), or a bad argument."""
+    tokens), or a bad argument. A failure inside the guard itself never fails the engine's
+    requests: the guard logs it (ERROR on the ``kvcanary`` logger), steps aside for the rest
+    of the call (the engine runs unguarded) and ``generate_batch`` then raises
+    :class:`GuardError` naming it (the original exception as its cause)."""
     import transformers
 
     if not supported_version(transformers.__version__):
@@ -91,6 +100,10 @@ def guard(model, *, sources="k0", hash_mode="all", check_tokens: bool = True,
     if not callable(on_violation) and on_violation not in ON_VIOLATION:
         raise GuardError("on_violation must be 'log', 'raise' or a callable, got "
                          f"{on_violation!r}")
+    if isinstance(ring_capacity, bool) or not isinstance(ring_capacity, numbers.Integral) \
+            or not 1 <= int(ring_capacity) <= MAX_RING_CAPACITY:
+        raise GuardError(f"ring_capacity must be an integer from 1 to "
+                         f"{MAX_RING_CAPACITY}, got {ring_capacity!r}")
     if not hasattr(model, "generate_batch") or not hasattr(model, "config"):
         raise GuardError(f"guard() needs a transformers model with generate_batch, "
                          f"got {type(model).__name__}")
@@ -173,6 +186,11 @@ class Guard:
         return self
 
     def __exit__(self, *exc) -> bool:
+        if not self._inside:
+            raise GuardError("this guard was never entered (use it as `with guard:`)")
+        if not self.stats["steps"] and exc[0] is None:
+            logger.warning("%sthe guard saw no generate_batch step: only continuous batching "
+                           "(model.generate_batch) is guarded, not model.generate()", GUARD_PREFIX)
         model = self.model
         if self._had_own_generate:
             model.generate_batch = self._own_generate

@@ -15,6 +15,7 @@ itself is deleted again). transformers is imported only inside the functions her
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -27,6 +28,9 @@ if TYPE_CHECKING:    # the guard module imports this one
 # Versions whose continuous batching has the hook points and layout used here.
 SUPPORTED_VERSIONS = ((5, 20), (5, 24))   # first and last supported minor, inclusive
 SUPPORTED_RANGE = ">=5.20,<5.25"
+
+
+_logger = logging.getLogger("kvcanary")
 
 
 def supported_version(version: str) -> bool:
@@ -105,19 +109,39 @@ def _generation_step_hook(original):
         if g is None or g.error is not None:
             return original(self, model)
         start = time.perf_counter()
-        session = g.session_for(self)
-        with session.on_engine_stream(self):
-            session.before_step(self)
+        try:
+            session = g.session_for(self)
+            with session.on_engine_stream(self):
+                session.before_step(self)
+        except Exception as exc:   # a bug in the guard must not fail the engine's requests
+            _step_aside(g, exc, "before")
+            return original(self, model)
         forward = time.perf_counter()
         result = original(self, model)
         back = time.perf_counter()
-        with session.on_engine_stream(self):
-            session.after_step(self)
+        try:
+            with session.on_engine_stream(self):
+                session.after_step(self)
+        except Exception as exc:
+            _step_aside(g, exc, "after")
+            return result
         g.time_step(forward - start + time.perf_counter() - back, back - forward)
         return result
 
     _generation_step.__wrapped__ = original
     return _generation_step
+
+
+def _step_aside(g, exc: Exception, when: str) -> None:
+    """The guard failed: log it loudly, stop guarding this call (``g.error`` set: the
+    remaining steps run unguarded) and let ``generate_batch`` raise it."""
+    text = f"the guard failed {when} an engine step ({type(exc).__name__}: {exc}); " \
+        "the rest of this generate_batch ran unguarded"
+    error = GuardError(text)
+    _logger.error("%s", error)
+    if g.error is None:
+        error.__cause__ = exc
+        g.error = error
 
 
 def _copy_blocks_hook(original):
