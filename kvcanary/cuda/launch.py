@@ -254,10 +254,17 @@ def write_args(context, plan, *, input_ids, positions, out_cache_loc,
         _i64(context.kernel_kind),
         *_ring_args(context),
         context.slot_run_counter, context.kernel_run_counter,
-        context.enable_chain_position_assert, _i32(1 if context.extensions else 0),
+        context.enable_chain_position_assert, _write_flags(context),
         plan.seed_links_scratch, plan.seed_positions_scratch,
         pack_sources(context),
     ]
+
+
+def _write_flags(context):
+    """kvc_write's flag word: bit 0 reports slot conflicts (the extensions), bit 1 chains
+    seeds across requests of the launch."""
+    return _i32((1 if context.extensions else 0)
+                | (2 if getattr(context, "chain_across_requests", False) else 0))
 
 
 def write_real_kv_args(context, plan, *, out_cache_loc) -> list:
