@@ -65,7 +65,7 @@ def test_clean_configurations_have_no_finding(tmp_model):
 
 def test_without_chaining_same_step_hits_give_false_findings(tmp_model, monkeypatch):
     """The core's chaining across requests is what keeps same-step prefix hits clean."""
-    from kvcanary import types
+    from kvcanary.model import types
 
     init = types.CanaryContext.__init__
     monkeypatch.setattr(types.CanaryContext, "__init__", lambda self, *a, **k: init(
@@ -205,3 +205,72 @@ def test_guard_checks_version_and_arguments(tmp_model, monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.20.1")
     with pytest.raises(kvv.GuardError, match="not supported"):
         kvv.guard(engine.scheduler)
+
+
+_PLUGIN_RUN = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import vllm_engine as ve
+engine = ve.Engine(ve.Config(seed=40, num_blocks=16, requests=14), sys.argv[1])
+from kvcanary.integrations.vllm import plugin
+assert len(plugin.GUARDS) == 1, "the entry point installed no guard"
+s = engine.scheduler
+candidates = []
+while not candidates:
+    engine.step()
+    candidates = [(r, b) for r in s.running
+                  for b in s.kv_cache_manager.get_blocks(r.request_id).blocks[0][
+                      :r.num_computed_tokens // 16] if b.ref_cnt == 1 and not b.is_null]
+request, block = candidates[-1]
+s.kv_cache_manager.block_pool.free_blocks([block])      # freed while referenced
+for _ in range(100):
+    try:
+        engine.step()
+    except (AssertionError, ValueError):
+        break
+    if plugin.GUARDS[0].findings():
+        break
+print("FOUND", len(plugin.GUARDS[0].findings()), request.request_id)
+"""
+
+
+def test_plugin_through_its_entry_point(tmp_path, tmp_model):
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "kvcanary" for ep in entry_points(group="vllm.general_plugins")):
+        pytest.skip("kvcanary is not installed in this environment (its entry point is "
+                    "registered by pip install)")
+    dump = tmp_path / "last.npz"
+    env = dict(os.environ, KVCANARY_VLLM="1", KVCANARY_VLLM_DUMP=str(dump),
+               VLLM_PLUGINS="kvcanary",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
+                                           os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", _PLUGIN_RUN, str(tmp_model)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = int(run.stdout.split("FOUND ")[1].split()[0])
+    assert found > 0, run.stdout + run.stderr[-3000:]
+    log = tmp_path / "engine.log"
+    log.write_text(run.stderr)
+    assert "kvcanary: guarding vLLM's scheduler" in run.stderr
+    assert "kv_canary violation:" in run.stderr and "freed while still referenced" in run.stderr
+    explained = subprocess.run([sys.executable, "-m", "kvcanary", "explain", str(log)],
+                               capture_output=True, text=True, timeout=120)
+    assert explained.returncode == 1, explained.stdout + explained.stderr
+    assert dump.exists()
+    audited = subprocess.run([sys.executable, "-m", "kvcanary", "audit", str(dump)],
+                             capture_output=True, text=True, timeout=120)
+    assert audited.returncode in (0, 1), audited.stdout + audited.stderr
+
+
+def test_plugin_is_inert_without_its_variable():
+    env = dict(os.environ, VLLM_PLUGINS="kvcanary")
+    env.pop("KVCANARY_VLLM", None)
+    code = ("from kvcanary.integrations.vllm import plugin; plugin.register(); "
+            "from vllm.v1.core.sched.scheduler import Scheduler; "
+            "print(getattr(Scheduler.__init__, '_kvcanary', False))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.stdout.strip().endswith("False"), run.stderr[-2000:]

@@ -28,9 +28,9 @@ import time
 
 import numpy as np
 
-from ...attribution import Merger
+from ...findings.attribution import Merger
 from ...dump import save as save_dump
-from ...violations import Violation
+from ...format.violations import Violation
 from ..findings import Finding, Sighting
 from .session import _Session
 

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ... import api
-from ...attribution import attribute
-from ...consts import CANARY_SLOT_BYTES, FailReason, LaunchTag
-from ...diagnosis import diagnose
-from ...types import CanaryContext, VerifyPlan, ViolationLog, WritePlan
-from ...violations import Violation
+from ...api import launches as api
+from ...findings.attribution import attribute
+from ...format.consts import CANARY_SLOT_BYTES, FailReason, LaunchTag
+from ...findings.diagnosis import diagnose
+from ...model.types import CanaryContext, VerifyPlan, ViolationLog, WritePlan
+from ...format.violations import Violation
 from ..findings import EngineEvidence, Sighting, explain, row_reasons
 from .causes import vllm_cause
 
