@@ -194,6 +194,40 @@ def test_evicted_cached_block_handed_out_while_mapped(tmp_model):
     assert "evicted cached block" in f.explanation
 
 
+def test_preempted_request_resumed_onto_wrong_blocks(tmp_model):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    engine = ve.Engine(ve.Config(seed=45, num_blocks=12, requests=14), tmp_model)
+    found = []
+    g = kvv.guard(engine.scheduler, on_violation=found.append)
+    manager = engine.scheduler.kv_cache_manager
+    original = manager.get_computed_blocks
+    swapped = []
+
+    def get_computed_blocks(request, *args, **kwargs):
+        blocks, hit, *rest = original(request, *args, **kwargs)
+        group = list(blocks.blocks[0])
+        if request.num_preemptions and group and (not swapped or
+                                                  swapped[0][0] == request.request_id):
+            other = [b for b in manager.block_pool.blocks
+                     if b.block_hash is not None and b not in group and not b.is_null
+                     and (not swapped or b.block_id == swapped[0][2])]
+            if other:       # the bug: the resumed request gets another prefix's block
+                swapped[:] = [(request.request_id, group[0].block_id, other[0].block_id)]
+                group[0] = other[0]
+                blocks = KVCacheBlocks((group, *blocks.blocks[1:]))
+        return (blocks, hit, *rest)
+
+    manager.get_computed_blocks = get_computed_blocks
+    _run_until(engine, g, found, steps=300)
+    assert swapped, "no request was resumed with a prefix-cache hit"
+    rid, _, wrong = swapped[0]
+    assert found
+    f = found[0]
+    assert (f.request_id, f.block) == (rid, wrong) and f.position < engine.cfg.block_size
+    assert "resumed after preemption" in f.explanation and "wrong blocks" in f.explanation
+
+
 def test_guard_checks_version_and_arguments(tmp_model, monkeypatch):
     import vllm
 
