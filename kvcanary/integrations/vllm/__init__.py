@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import numpy as np
 
@@ -107,7 +108,7 @@ class Guard:
         self.raw_rows = []
         self.stats = dict(steps=0, entries_verified=0, tokens_written=0, ring_rows=0,
                           rows_dropped=0, groups=len(scheduler.kv_cache_config.kv_cache_groups))
-        self.step_times = []      # guard seconds per guarded step
+        self.step_times = deque(maxlen=1 << 16)   # guard seconds of the latest steps
         self._session = _Session(self, scheduler)
         self._inside = False
         self._error = None
@@ -155,7 +156,7 @@ class Guard:
     def summary(self) -> dict:
         """``steps``, ``entries_verified``, ``tokens_written``, ``findings``, ring rows,
         dropped rows, ``groups`` and the median guard time per step (``guard_ms_median``;
-        ``guard.step_times`` holds every step's seconds)."""
+        ``guard.step_times`` holds the latest 65536 steps' seconds)."""
         times = np.array(self.step_times or [0.0])
         return dict(self.stats, findings=len(self.merger),
                     guard_ms_median=float(np.median(times) * 1e3))

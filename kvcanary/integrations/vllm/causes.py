@@ -33,7 +33,7 @@ def vllm_cause(session, sighting, ev, row) -> str | None:
         return None
     block = ev.slot // bs
     index = ev.position // bs
-    how, since = session.origin.get((ev.request_id, row.group, index), ("own", None))
+    how, since = session.origin.get(ev.request_id, {}).get((row.group, index), ("own", None))
     writer = ev.writer
     if writer is None or writer[0] == ev.request_id:
         return None

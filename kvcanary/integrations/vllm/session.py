@@ -74,8 +74,8 @@ class _Session:
         self.writer_step = np.full(self.num_slots, -1, dtype=np.int64)
         self.names, self.uid_of = [], {}
         self.tables = {}      # request id -> [list of block ids] per group
-        self.origin = {}      # (request id, group, block index) -> (how, step)
-        self.own = {}         # (request id, group, position) -> slot it wrote
+        self.origin = {}      # request id -> {(group, block index): (how, step)}
+        self.own = {}         # request id -> {(group, position): slot it wrote}
         self.step = 0
         self.last = None
 
@@ -85,6 +85,8 @@ class _Session:
         computed = {}
         for rid in set(out.finished_req_ids) | set(out.preempted_req_ids or ()):
             self.tables.pop(rid, None)
+            self.own.pop(rid, None)       # a preempted request recomputes what it held
+            self.origin.pop(rid, None)
         for new in out.scheduled_new_reqs:
             self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
             computed[new.req_id] = int(new.num_computed_tokens)
@@ -102,11 +104,9 @@ class _Session:
         return computed
 
     def _mark(self, rid, computed, how) -> None:
-        for key in [k for k in self.origin if k[0] == rid]:
-            del self.origin[key]
-        for group, (block_size, _, _) in enumerate(self.groups):
-            for index in range(computed // block_size):
-                self.origin[(rid, group, index)] = (how, self.step)
+        self.origin[rid] = {(group, index): (how, self.step)
+                            for group, (block_size, _, _) in enumerate(self.groups)
+                            for index in range(computed // block_size)}
 
     # -- one step
 
@@ -241,7 +241,8 @@ class _Session:
         self.writer_step[written[inside]] = self.step
         for e in np.flatnonzero(inside).tolist():
             r = rows[owners[e]]
-            self.own[(r.request_id, r.group, int(positions[e]))] = int(written[e])
+            self.own.setdefault(r.request_id, {})[(r.group, int(positions[e]))] = \
+                int(written[e])
 
     def _uid(self, rid: str) -> int:
         if rid not in self.uid_of:
@@ -272,8 +273,8 @@ class _Session:
             ev = EngineEvidence(
                 request_id=r.request_id, position=position, slot=slot,
                 table_slot=int(table[position]) if position < table.size else -1,
-                writer=self.writer(slot), own_slot=self.own.get((r.request_id, r.group,
-                                                                 position)),
+                writer=self.writer(slot),
+                own_slot=self.own.get(r.request_id, {}).get((r.group, position)),
                 near_slots=tuple(int(table[p]) if 0 <= p < table.size else None
                                  for p in (position - 1, position + 1)),
                 sources="no source")
