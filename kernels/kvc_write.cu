@@ -25,6 +25,12 @@
 //                      replaces the claim word
 // The claim word is the record's real_kv_hash field: a seed read never needs it, and the
 // last launch overwrites it.
+//
+// Chaining across requests (the context's chain_across_requests, bit 1 of kvc_write's
+// report_conflicts word; bit 0 is the conflict report): a seed slot an earlier request of
+// the launch writes links to the last such write, as if requests ran one after another.
+// kvc_write's threads do not wait for each other: each recomputes the writer's running
+// hash from the launch's inputs, following the writer's own seed the same way.
 #include "kvc_realkv.cuh"
 
 namespace kvc {
@@ -187,11 +193,91 @@ struct WriteArgs {
   int64_t* slot_run_counter;
   int64_t* kernel_run_counter;
   const int32_t* enable_chain_position_assert;
-  int32_t report_conflicts;
+  int32_t report_conflicts;  // flag bits: kReportConflicts, kChainAcrossRequests
   const int64_t* seed_links;
   const int64_t* seed_positions;
   RealKvSources sources;
 };
+
+// bits of kvc_write's report_conflicts word
+constexpr int32_t kReportConflicts = 1;
+constexpr int32_t kChainAcrossRequests = 2;
+
+// The last write of a request before r to r's seed slot, in (request, entry) order: false
+// when no earlier request of the launch writes it.
+KVC_DEVICE bool earlier_seed_write(uint8_t* canary_buf, int64_t stride, int64_t num_slots,
+                                   const WriteBatch& b, const int64_t* seeds, int64_t r,
+                                   int64_t* writer, int64_t* entry) {
+  const int64_t seed = seeds[r];
+  if (!slot_in_range(seed, num_slots)) return false;
+  // A slot the launch writes holds its last writer's claim; any other slot's word names no
+  // write of the launch to it (that write would have claimed the slot).
+  const unsigned long long claim =
+      static_cast<unsigned long long>(*claim_word(canary_buf, stride, seed));
+  if (claim == 0ULL) return false;
+  const unsigned long long n = static_cast<unsigned long long>(b.num_tokens);
+  const unsigned long long claimer = (claim - 1ULL) / n;
+  const int64_t claimed = static_cast<int64_t>((claim - 1ULL) % n);
+  if (claimer >= static_cast<unsigned long long>(active_requests(b))) return false;
+  int64_t start, end;
+  const int64_t q = static_cast<int64_t>(claimer);
+  if (!request_span(b, q, &start, &end) || !span_inside(b, start, end) || claimed < start ||
+      claimed >= end || b.out_cache_loc[claimed] != seed) {
+    return false;
+  }
+  if (q < r) {  // the slot's last writer comes before r
+    *writer = q;
+    *entry = claimed;
+    return true;
+  }
+  for (int64_t p = r - 1; p >= 0; --p) {
+    if (!request_span(b, p, &start, &end) || !span_inside(b, start, end)) continue;
+    for (int64_t i = end - 1; i >= start; --i) {
+      if (b.out_cache_loc[i] == seed) {
+        *writer = p;
+        *entry = i;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Request r's seed with chaining across requests: the link and position of the earlier
+// write to its seed slot, whose running hash starts from its own request's seed, resolved
+// the same way (writers come strictly earlier, so the walk ends).
+KVC_DEVICE Seed chained_seed(uint8_t* canary_buf, int64_t stride, int64_t num_slots,
+                             const WriteBatch& b, const int64_t* seeds, const int64_t* positions,
+                             const int64_t* input_ids, const int64_t* seed_links, int64_t r,
+                             const Seed& read) {
+  int64_t depth = 0, node = r, writer, entry;
+  while (earlier_seed_write(canary_buf, stride, num_slots, b, seeds, node, &writer, &entry)) {
+    ++depth;
+    node = writer;
+  }
+  if (depth == 0) return read;
+  // node is the first writer of the walk whose own seed no earlier write names
+  uint64_t running =
+      slot_in_range(seeds[node], num_slots) ? static_cast<uint64_t>(seed_links[node])
+                                            : chain_head();
+  int64_t position = 0;
+  for (int64_t level = depth; level >= 1; --level) {
+    int64_t at = r;
+    for (int64_t k = 0; k < level; ++k) {
+      earlier_seed_write(canary_buf, stride, num_slots, b, seeds, at, &writer, &entry);
+      at = writer;
+    }
+    int64_t start, end;
+    request_span(b, writer, &start, &end);
+    for (int64_t i = start; i <= entry; ++i) {
+      if (b.out_cache_loc[i] < 0) continue;
+      running = mix3(running, static_cast<uint64_t>(input_ids[i]),
+                     static_cast<uint64_t>(positions[i]));
+    }
+    position = positions[entry];
+  }
+  return Seed{read.slot, static_cast<int64_t>(running), position};
+}
 
 }  // namespace kvc
 
@@ -249,13 +335,19 @@ extern "C" __global__ void kvc_write(const __grid_constant__ kvc::WriteArgs args
   }
   const int64_t seed_slot = args.write_seed_slot_indices[r];
   const bool seeded = kvc::slot_in_range(seed_slot, args.num_slots);
-  const kvc::Seed seed{seed_slot, seeded ? args.seed_links[r] : 0,
-                       seeded ? args.seed_positions[r] : 0};
+  kvc::Seed seed{seed_slot, seeded ? args.seed_links[r] : 0,
+                 seeded ? args.seed_positions[r] : 0};
+  if (seeded && (args.report_conflicts & kvc::kChainAcrossRequests) != 0) {
+    seed = kvc::chained_seed(args.canary_buf, args.slot_stride_bytes, args.num_slots, b,
+                             args.write_seed_slot_indices, args.positions, args.input_ids,
+                             args.seed_links, r, seed);
+  }
   const kvc::WriteInputs in{args.input_ids, args.positions, args.expected_input_tokens,
                             args.expected_input_positions};
   const int64_t written = kvc::write_request(
       args.canary_buf, args.slot_stride_bytes, args.num_slots, b, r, start, end, seed, in,
-      args.enable_chain_position_assert[0] != 0, args.report_conflicts != 0, args.sources,
+      args.enable_chain_position_assert[0] != 0,
+      (args.report_conflicts & kvc::kReportConflicts) != 0, args.sources,
       args.kernel_kind, ring);
   if (written != 0) kvc::add_counter(args.slot_run_counter, written);
 }

@@ -155,6 +155,9 @@ def write(state: State, ctx, plan, input_ids, positions, out_cache_loc,
               if 0 <= loc[i] < n_slots}
     keeper_request = {loc[i]: r for r, start, end in inside for i in range(start, end)
                       if 0 <= loc[i] < n_slots}
+    # With chain_across_requests a seed is what the requests before it left in the slot.
+    across = getattr(ctx, "chain_across_requests", False)
+    sequential = {}
     written = 0
     for r, start, end in spans:
         if start < 0 or end > len(ids):
@@ -166,9 +169,10 @@ def write(state: State, ctx, plan, input_ids, positions, out_cache_loc,
         if seed >= n_slots:
             state.pending.append([kind, seed, 0, 0, 0, 0, seed, OUT_OF_RANGE])
         elif seed >= 0:
-            running = link_of(seed_records[seed])
+            record = sequential[seed] if across and seed in sequential else seed_records[seed]
+            running = link_of(record)
             do_pos = flag != 0
-            running_pos = seed_records[seed][1]
+            running_pos = record[1]
         for i in range(start, end):
             slot = loc[i]
             if slot < 0:
@@ -186,6 +190,8 @@ def write(state: State, ctx, plan, input_ids, positions, out_cache_loc,
                 running_pos = pos
             if slot >= n_slots or outside_sources(sources, mode, slot):
                 state.pending.append([kind, slot, pos, tok, tok, running, slot, OUT_OF_RANGE])
+            if 0 <= slot < n_slots:
+                sequential[slot] = [tok, pos, s64(running)]
             if slot >= n_slots:
                 pass  # never stored
             elif (keeper_request[slot], keeper[slot]) == (r, i):

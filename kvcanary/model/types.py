@@ -128,8 +128,12 @@ class CanaryContext:
     on) makes write check each chain's positions. ``extensions=False`` turns kvcanary's
     launch-time extension rows off (today the write's ``WRITE_SLOT_CONFLICT``), for upstream's
     bytes exactly, as ``audit --compat`` does for the audit; ``SLOT_OUT_OF_RANGE`` stays on
-    either way, since the alternative is a read or write outside an array
-    (docs/extensions.md). All arrays of one library and device; the
+    either way, since the alternative is a read or write outside an array.
+    ``chain_across_requests=True`` lets a write's seed be a record the same launch stores: a
+    seed slot an earlier request of the launch writes links to that write, as if requests ran
+    one after another (an engine whose requests chain across requests within one step, such
+    as vLLM's same-step prefix hits); by default every seed is read before the launch stores
+    anything (docs/extensions.md). All arrays of one library and device; the
     launches write ``canary_buf`` (write), the log and the counters in place.
 
     >>> import numpy as np, kvcanary as kc
@@ -153,6 +157,7 @@ class CanaryContext:
         enable_chain_position_assert=None,
         max_real_kv_sources: int = MAX_REAL_KV_SOURCES,
         extensions: bool = True,
+        chain_across_requests: bool = False,
     ):
         self.canary_buf = A.as_array(canary_buf, "canary_buf")
         self.kernel_kind = A.check_int64(kernel_kind, "kernel_kind")
@@ -169,6 +174,7 @@ class CanaryContext:
         )
         self.max_real_kv_sources = check_source_bound(max_real_kv_sources)
         self.extensions = bool(extensions)
+        self.chain_across_requests = bool(chain_across_requests)
 
     @property
     def num_slots(self) -> int:

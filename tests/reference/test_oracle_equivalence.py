@@ -1,6 +1,7 @@
 """The vectorised reference equals the sequential pure-Python oracle (tests/oracle.py) on
 random inputs, valid and invalid: skipped and duplicate slots, seeds written in the same
-launch, input assert on/off, position assert on/off, out-of-range indices, small rings."""
+launch (read before it, or chained across requests), input assert on/off, position assert
+on/off, out-of-range indices, small rings."""
 
 import numpy as np
 import pytest
@@ -87,6 +88,7 @@ def test_write_equals_oracle(seed):
             kc.write(ctx, plan, input_ids=i64(tokens), positions=i64(positions),
                      out_cache_loc=i64(loc), **expected)
         return
+    ctx.chain_across_requests = bool(seed % 2)    # half the launches chain across requests
     state = oracle.snapshot(ctx)
     oracle.write(state, ctx, plan, tokens, positions, loc,
                  expected.get("expected_input_tokens"), expected.get("expected_input_positions"))

@@ -237,7 +237,7 @@ def write_claims_args(context, plan, *, out_cache_loc) -> list:
 def write_args(context, plan, *, input_ids, positions, out_cache_loc,
                expected_input_tokens=None, expected_input_positions=None) -> list:
     """``kvc_write``'s one parameter, its ``WriteArgs`` struct (:mod:`.write_args`)."""
-    buf, log, ptr = context.canary_buf, context.violation_log, array_pointer
+    buf, log, ptr = context.canary_buf, context.violation_log, A.data_address
     values = (
         ptr(buf), buf.shape[0], buf.shape[1],
         ptr(plan.write_offsets), ptr(plan.write_seed_slot_indices),
@@ -247,10 +247,17 @@ def write_args(context, plan, *, input_ids, positions, out_cache_loc,
         int(context.kernel_kind),
         ptr(log.ring), log.ring.shape[0], ptr(log.write_index),
         ptr(context.slot_run_counter), ptr(context.kernel_run_counter),
-        ptr(context.enable_chain_position_assert), 1 if context.extensions else 0,
+        ptr(context.enable_chain_position_assert), write_flags(context),
         ptr(plan.seed_links_scratch), ptr(plan.seed_positions_scratch),
     )
     return [pack_write_args(values, pack_sources(context))]
+
+
+def write_flags(context) -> int:
+    """kvc_write's flag word: bit 0 reports slot conflicts (the extensions), bit 1 chains
+    seeds across requests of the launch."""
+    return ((1 if context.extensions else 0)
+            | (2 if getattr(context, "chain_across_requests", False) else 0))
 
 
 def write_real_kv_args(context, plan, *, out_cache_loc) -> list:

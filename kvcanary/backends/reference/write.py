@@ -16,7 +16,9 @@ Per request, the rules:
                  context's extensions off
 
 Order-free: every seed is read before any record of the launch is stored, so the result
-never depends on which request runs first. The chain is serial within a request; the loop
+never depends on which request runs first. With the context's ``chain_across_requests``, a
+seed slot that an earlier request of the launch writes links to that write instead (the
+last such write in (request, entry) order), as if requests ran one after another. The chain is serial within a request; the loop
 runs over token index, vectorised across requests. Violation rows are appended in
 upstream's order: request, entry, then rule.
 """
@@ -96,6 +98,7 @@ class _Batch:
         self.expected_tokens, self.expected_positions = expected_tokens, expected_positions
         self.position_assert = int(context.enable_chain_position_assert[0]) != 0
         self.report_conflicts = context.extensions
+        self.chain_across = bool(getattr(context, "chain_across_requests", False))
 
     def entries(self, requests: np.ndarray):
         """Flat token indices of the requests' kept entries (slot >= 0), grouped by request."""
@@ -130,6 +133,11 @@ class _Batch:
                                        seed_record[:, 1].view(np.uint64))
 
         prev_hash = _chain(running, request_of, token, position)
+        seed_position = np.zeros(requests.size, dtype=np.int64)
+        seed_position[seeded] = seed_record[:, 1]
+        if self.chain_across and seeded.size:
+            prev_hash = _chain_across(running, seed_position, seed, seeded, request_of, slot,
+                                      num_slots, token, position, prev_hash)
 
         if self.expected_tokens is not None:
             expected_token = self.expected_tokens[index]
@@ -150,8 +158,6 @@ class _Batch:
             previous[1:] = position[:-1]
             first_of_request = np.ones(position.size, dtype=bool)
             first_of_request[1:] = request_of[1:] != request_of[:-1]
-            seed_position = np.zeros(requests.size, dtype=np.int64)
-            seed_position[seeded] = seed_record[:, 1]
             previous[first_of_request] = seed_position[request_of[first_of_request]]
             expected = previous + 1
             hit = np.flatnonzero(has_seed[request_of] & (position != expected))
@@ -182,6 +188,38 @@ class _Batch:
                real_kv_hash(self.context.real_kv_sources, self.context.real_kv_hash_mode,
                             slot[stored]))
         return int(inside.size)
+
+
+def _chain_across(running, seed_position, seed, seeded, request_of, slot, num_slots, token,
+                  position, prev_hash) -> np.ndarray:
+    """prev_hash of every entry when seeds chain across requests: a request whose seed slot
+    an earlier request of the launch writes starts from that write's link (the last such
+    write), and its seed position is that write's position; ``running`` and
+    ``seed_position`` are updated in place. Requests resolve in order, so a writer's own
+    seed is final before its link is taken."""
+    inside = np.flatnonzero((slot >= 0) & (slot < num_slots))
+    hit = seeded[np.isin(seed[seeded], slot[inside])]
+    if hit.size == 0:
+        return prev_hash
+    writes = {}
+    for e in inside[np.isin(slot[inside], seed[hit])].tolist():
+        writes.setdefault(int(slot[e]), []).append(e)
+    writer = {}
+    for j in hit.tolist():
+        earlier = [e for e in writes[int(seed[j])] if request_of[e] < j]
+        if earlier:
+            writer[j] = earlier[-1]      # entries are in (request, entry) order
+    depth = {}
+    for j in sorted(writer):
+        depth[j] = depth.get(int(request_of[writer[j]]), 0) + 1
+    for level in range(1, max(depth.values(), default=0) + 1):
+        for j in (j for j, d in depth.items() if d == level):
+            e = writer[j]
+            running[j:j + 1] = mix3_inplace(prev_hash[e:e + 1].copy(), token[e:e + 1].view(
+                np.uint64), position[e:e + 1].view(np.uint64))
+            seed_position[j] = position[e]
+        prev_hash = _chain(running, request_of, token, position)
+    return prev_hash
 
 
 def _chain(running: np.ndarray, request_of: np.ndarray, token, position) -> np.ndarray:

@@ -1,0 +1,102 @@
+"""The vLLM general plugin: kvcanary's guard in a deployment.
+
+vLLM loads every entry point of the group ``vllm.general_plugins`` in each of its processes;
+kvcanary's (name ``kvcanary``) is :func:`register`. With ``KVCANARY_VLLM=1`` it wraps
+vLLM's ``Scheduler.__init__`` so that the scheduler the engine-core process builds is
+guarded from its first step (worker processes build no scheduler: nothing happens there).
+Without the variable the plugin does nothing. Options, by environment variable:
+
+==============================  ===========================================================
+``KVCANARY_VLLM``               ``1`` turns the guard on
+``KVCANARY_VLLM_CHECK_TOKENS``  ``0`` turns the stored-token check off (default ``1``)
+``KVCANARY_VLLM_ON_VIOLATION``  ``log`` (default) or ``raise`` (the step raises)
+``KVCANARY_VLLM_RING``          violation ring capacity per launch (default 4096)
+``KVCANARY_VLLM_DUMP``          a dump path: the last step is written there on exit
+==============================  ===========================================================
+
+Each new finding is one WARNING on the ``kvcanary`` logger whose text starts with SGLang's
+``kv_canary violation:`` line, so ``kvcanary explain`` reads the engine's log. The supported
+vLLM versions are checked when the guard starts; an unsupported one is logged and left
+unguarded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+
+logger = logging.getLogger("kvcanary")
+
+GUARDS: list = []       # the guards this process installed
+
+
+def options() -> dict:
+    """:func:`kvcanary.integrations.vllm.guard` keyword arguments from the environment."""
+    from . import ON_VIOLATION, GuardError
+
+    on_violation = os.environ.get("KVCANARY_VLLM_ON_VIOLATION", "log")
+    if on_violation not in ON_VIOLATION:
+        raise GuardError(f"kvcanary: KVCANARY_VLLM_ON_VIOLATION must be 'log' or 'raise', "
+                         f"got {on_violation!r}")
+    check = os.environ.get("KVCANARY_VLLM_CHECK_TOKENS", "1")
+    if check not in ("0", "1"):
+        raise GuardError(f"kvcanary: KVCANARY_VLLM_CHECK_TOKENS must be 0 or 1, got {check!r}")
+    ring = os.environ.get("KVCANARY_VLLM_RING", "4096")
+    try:
+        ring_capacity = int(ring)
+    except ValueError:
+        raise GuardError(f"kvcanary: KVCANARY_VLLM_RING must be an integer, got {ring!r}") \
+            from None
+    return dict(check_tokens=check == "1", on_violation=on_violation,
+                ring_capacity=ring_capacity)
+
+
+def register() -> None:
+    """vLLM's entry point: install the guard hook when ``KVCANARY_VLLM=1`` (idempotent: vLLM
+    may load plugins several times in one process)."""
+    if os.environ.get("KVCANARY_VLLM") != "1":
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler.__init__, "_kvcanary", False):
+        return
+    original = Scheduler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _install(self)
+
+    __init__._kvcanary = True
+    __init__.__wrapped__ = original
+    Scheduler.__init__ = __init__
+
+
+def _install(scheduler) -> None:
+    from . import GuardError, guard
+
+    try:
+        g = guard(scheduler, **options())
+    except GuardError as exc:
+        logger.error("%s; the engine runs unguarded", exc)
+        return
+    g.__enter__()
+    GUARDS.append(g)
+    logger.info("kvcanary: guarding vLLM's scheduler (%d KV cache group(s))",
+                g.stats["groups"])
+    if len(GUARDS) == 1:
+        atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    path = os.environ.get("KVCANARY_VLLM_DUMP")
+    for index, g in enumerate(GUARDS):
+        summary = g.summary()
+        logger.info("kvcanary: %d steps guarded, %d finding(s)", summary["steps"],
+                    summary["findings"])
+        if path and g._session.last is not None:
+            target = path if index == 0 else f"{path}.{index}"
+            try:
+                g.dump(target)
+            except (OSError, ValueError) as exc:
+                logger.error("kvcanary: the dump %s could not be written: %s", target, exc)
