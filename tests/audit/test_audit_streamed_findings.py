@@ -48,7 +48,7 @@ def peak_of_json(path) -> tuple:
 
 def test_every_finding_is_rendered_in_flat_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(result_module, "FINDINGS_BATCH", 256)
-    monkeypatch.setattr("kvcanary.audit.EAGER_FINDINGS", 256)
+    monkeypatch.setattr("kvcanary.audit.engine.EAGER_FINDINGS", 256)
     small, small_records = peak_of_json(flood(tmp_path, 1))
     large, large_records = peak_of_json(flood(tmp_path, 4))
     assert (small_records, large_records) == (TOKENS + 2, 4 * TOKENS + 2)
@@ -59,7 +59,7 @@ def test_every_finding_is_rendered_in_flat_memory(tmp_path, monkeypatch):
 
 def test_every_finding_is_printed(flooded, monkeypatch):
     monkeypatch.setattr(result_module, "FINDINGS_BATCH", 256)
-    monkeypatch.setattr("kvcanary.audit.EAGER_FINDINGS", 256)
+    monkeypatch.setattr("kvcanary.audit.engine.EAGER_FINDINGS", 256)
     result = CliRunner().invoke(main, ["audit", flooded, "--max-findings", "0", "--format", "json"])
     records = [json.loads(line) for line in result.output.splitlines()]
     violations = [r for r in records if r["record"] == "violation"]
@@ -73,7 +73,7 @@ def test_every_finding_is_printed(flooded, monkeypatch):
 
 
 def test_a_long_finding_list_reads_like_a_list(flooded, monkeypatch):
-    monkeypatch.setattr("kvcanary.audit.EAGER_FINDINGS", 100)
+    monkeypatch.setattr("kvcanary.audit.engine.EAGER_FINDINGS", 100)
     result = audit(flooded, backend="numpy", max_findings=0)
     findings = result.findings
     assert isinstance(findings, FindingList) and len(findings) == REQUESTS * TOKENS
@@ -93,7 +93,7 @@ def test_the_page_caps_its_table_and_says_how_many_it_leaves_out(flooded, tmp_pa
 
 
 def test_a_long_list_is_diagnosed_once_when_printed(flooded, monkeypatch):
-    monkeypatch.setattr("kvcanary.audit.EAGER_FINDINGS", 100)
+    monkeypatch.setattr("kvcanary.audit.engine.EAGER_FINDINGS", 100)
     import kvcanary.audit.diagnose as diagnose_module
     calls = []
     real = diagnose_module.diagnose
