@@ -236,7 +236,7 @@ def test_guard_checks_version_and_arguments(tmp_model, monkeypatch):
         kvv.guard(engine.scheduler, on_violation="shout")
     with pytest.raises(kvv.GuardError, match="needs a vLLM v1 Scheduler"):
         kvv.guard(object())
-    monkeypatch.setattr(vllm, "__version__", "0.20.1")
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
     with pytest.raises(kvv.GuardError, match="not supported"):
         kvv.guard(engine.scheduler)
 

@@ -38,8 +38,8 @@ from .session import _Session
 logger = logging.getLogger("kvcanary")
 
 # Versions whose scheduler output and KV cache manager have the fields used here.
-SUPPORTED_VERSIONS = ((0, 33), (0, 33))   # first and last supported minor, inclusive
-SUPPORTED_RANGE = ">=0.33,<0.34"
+SUPPORTED_VERSIONS = ((0, 32), (0, 33))   # first and last supported minor, inclusive
+SUPPORTED_RANGE = ">=0.32,<0.34"
 ON_VIOLATION = ("log", "raise")
 
 
