@@ -134,7 +134,8 @@ def _copy_blocks_hook(original):
         original(self, source_block_ids, dest_block_ids)
         session = _Hooks.session_of(lambda s: s.allocator is self)
         if session is not None:
-            session.copy_records(list(source_block_ids), list(dest_block_ids))
+            with session.on_engine_stream():
+                session.copy_records(list(source_block_ids), list(dest_block_ids))
 
     copy_blocks.__wrapped__ = original
     return copy_blocks
@@ -145,9 +146,10 @@ def _offload_hook(original):
         offloaded = original(self, victims, victim_block_tables)
         session = _Hooks.session_of(lambda s: s.cache is self.cache)
         if session is not None:
-            for request_id in offloaded:
-                blocks = victim_block_tables[request_id].get(session.group_name, [])
-                session.save_records(request_id, blocks)
+            with session.on_engine_stream():
+                for request_id in offloaded:
+                    blocks = victim_block_tables[request_id].get(session.group_name, [])
+                    session.save_records(request_id, blocks)
         return offloaded
 
     _offload_to_cpu.__wrapped__ = original
@@ -158,9 +160,10 @@ def _restore_hook(original):
     def restore_scheduled_requests(self, requests_in_batch):
         session = _Hooks.session_of(lambda s: s.cache is self.cache)
         if session is not None:
-            for future in requests_in_batch:
-                if future.state.is_cpu_offloaded:
-                    session.restore_records(future.state)
+            with session.on_engine_stream():
+                for future in requests_in_batch:
+                    if future.state.is_cpu_offloaded:
+                        session.restore_records(future.state)
         return original(self, requests_in_batch)
 
     restore_scheduled_requests.__wrapped__ = original

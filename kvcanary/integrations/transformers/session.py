@@ -108,6 +108,7 @@ class _Session:
         self.saved: dict = {}     # offloaded request id -> (records, writer columns) per block
         self.step = None
         self.last = None
+        self.processor = None     # the batch processor of the last guarded step
 
     def _sources(self, copy_view) -> list:
         """``[(name, RealKvSource)]``: each a zero-copy view of one layer's K or V rows."""
@@ -127,14 +128,18 @@ class _Session:
                 read_bytes=token_bytes)))
         return out
 
-    def on_engine_stream(self, processor):
-        """On a CUDA device, kvcanary's launches queue on the stream the engine computes on,
-        so a verify or write never races the engine's KV writes."""
+    def on_engine_stream(self, processor=None):
+        """On a CUDA device, kvcanary's launches queue on the stream the engine computes on
+        (``processor``'s, by default the last guarded step's), so a verify or write never races
+        the engine's KV writes, and the records a fork copies or offloading saves are those the
+        step's write launch left (a copy on another stream could read them before it ran)."""
         if self.xp is np:
             return contextlib.nullcontext()
         import torch
 
-        stream = processor.inputs_and_outputs.compute_stream or torch.cuda.current_stream()
+        processor = processor or self.processor
+        stream = (None if processor is None else processor.inputs_and_outputs.compute_stream) \
+            or torch.cuda.current_stream()
         return self.xp.cuda.ExternalStream(stream.cuda_stream)
 
     # -- index conversions
@@ -167,6 +172,7 @@ class _Session:
         )
 
         g = self.guard
+        self.processor = processor
         io = processor.inputs_and_outputs
         if type(io) is not ContinuousBatchingIOs:
             raise GuardError("kvcanary: asynchronous batching is not supported; run with "
