@@ -15,6 +15,7 @@ itself is deleted again). transformers is imported only inside the functions her
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -37,13 +38,16 @@ class GuardError(RuntimeError):
 
 
 def supported_version(version: str) -> bool:
-    """Whether ``version`` (a transformers ``__version__``) lies in ``SUPPORTED_RANGE``."""
-    parts = version.split(".")
-    try:
-        major_minor = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
+    """Whether ``version`` (a transformers ``__version__``) lies in ``SUPPORTED_RANGE``: a
+    release (``5.22.2``, also with a post-release or local tag) of a supported minor; a
+    pre-release or development build (``5.20.0rc1``, ``5.25.0.dev0``) is outside it."""
+    match = _RELEASE.fullmatch(version.strip())
+    if match is None:
         return False
-    return SUPPORTED_VERSIONS[0] <= major_minor <= SUPPORTED_VERSIONS[1]
+    return SUPPORTED_VERSIONS[0] <= (int(match[1]), int(match[2])) <= SUPPORTED_VERSIONS[1]
+
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)?(?:\.post\d+)?(?:\+[0-9A-Za-z.]+)?")
 
 
 class _Hooks:
