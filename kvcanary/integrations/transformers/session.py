@@ -31,6 +31,7 @@ from ..findings import (
     explain,
     row_reasons,
 )
+from .history import _AllocatorHistory
 from .hooks import GuardError
 
 if TYPE_CHECKING:    # the guard module imports this one
@@ -109,6 +110,7 @@ class _Session:
         self.step = None
         self.last = None
         self.processor = None     # the batch processor of the last guarded step
+        self.history = _AllocatorHistory(allocator)
 
     def _sources(self, copy_view) -> list:
         """``[(name, RealKvSource)]``: each a zero-copy view of one layer's K or V rows."""
@@ -179,6 +181,9 @@ class _Session:
                              "ContinuousBatchingConfig(use_async_batching=False)")
         g.stats["steps"] += 1
         self.step = g.stats["steps"]
+        active = processor.scheduler.active_requests
+        self.history.observe(self.step, lambda rid: None if rid not in active else
+                             active[rid].initial_tokens + active[rid].generated_tokens)
         batch = []
         read_all = None
         if not io.use_block_table and io.max_kv_read > 0 and io.true_read_sizes[0] > 0:
@@ -379,12 +384,15 @@ class _Session:
                      for p in (position - 1, position + 1))
         trash = own is not None and 0 <= own < self.num_slots and \
             own // self.page < self.trash_blocks
+        block = slot // self.page if 0 <= slot < self.num_slots else None
         return EngineEvidence(
             request_id=rec.request_id, position=position, slot=slot,
             table_slot=int(table[position]) if position < table.size else -1,
             writer=writer, own_slot=own, engine_position=engine_position, trash=trash,
             near_slots=near, sources="+".join(name for name, _ in self.real_kv) or "no source",
-            own_followed=followed, misread_before=misread_before)
+            own_followed=followed, misread_before=misread_before,
+            history=None if block is None else self.history.cause(rec.request_id, block, writer),
+            moved=None if block is None else self.history.move(rec.request_id, block))
 
     # -- forks and offloading
 
