@@ -62,6 +62,8 @@ def fold_sources(sources, slots: np.ndarray, num_bytes: int) -> np.ndarray:
     """``uint64[len(sources), n]``: :func:`fold_source` of each source (all read ``num_bytes``
     per slot), folded side by side: one pass per word column for all of them, not one per
     source, so many small sources cost about what one large one does."""
+    if len(sources) == 1:       # one source: its words fold in place, with no transpose
+        return fold_source(sources[0], slots, num_bytes)[None, :]
     # [source, word, slot]: each source's words transposed once, so every pass of the fold
     # reads one contiguous run per source.
     words = np.empty((len(sources), num_bytes // 8, slots.shape[0]), dtype=np.uint64)
