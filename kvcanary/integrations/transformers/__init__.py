@@ -37,10 +37,10 @@ import logging
 
 import numpy as np
 
-from ...attribution import Merger
-from ...consts import RealKvHashMode
+from ...findings.attribution import Merger
+from ...format.consts import RealKvHashMode
 from ...dump import save as save_dump
-from ...violations import Violation
+from ...format.violations import Violation
 from ..findings import Finding, Sighting
 from .hooks import SUPPORTED_RANGE, SUPPORTED_VERSIONS, GuardError, _Hooks, supported_version
 from .session import _Session
