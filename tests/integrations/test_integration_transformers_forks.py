@@ -140,3 +140,29 @@ def test_fork_record_copy_queues_on_the_engine_stream(model, monkeypatch):
     guard, _ = run_forks(model, 3, new_tokens=2)
     assert calls and all(calls)
     assert guard.summary()["findings"] == 0
+
+
+def test_a_fork_that_copies_another_requests_block_is_found_at_the_child(model, monkeypatch):
+    """The engine's fork copies one parent's partly written block into another parent's
+    child (the copy lists rotated): the child reads foreign tokens from position 40 on, and
+    the finding names the fork."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    original = PagedAttentionCache.perform_cache_copy
+    rotated = []
+
+    def perform_cache_copy(self, copy_src_and_dst):
+        for name, (src, dst) in copy_src_and_dst.items():
+            if not rotated and len(set(src)) > 1:
+                src[:] = src[1:] + src[:1]
+                rotated.append(list(zip(src, dst)))
+        return original(self, copy_src_and_dst)
+
+    monkeypatch.setattr(PagedAttentionCache, "perform_cache_copy", perform_cache_copy)
+    guard, _ = run_forks(model, 2, new_tokens=4)
+    assert rotated
+    found = guard.findings()
+    assert found and all("__child#" in f.request_id for f in found)
+    assert min(f.position for f in found) == 40          # the prompts differ from there on
+    assert all("the fork copied another request's block" in f.explanation for f in found), \
+        [f.describe() for f in found[:2]]

@@ -10,7 +10,9 @@ prefix-cache ledger with those of the step before and notes, per block, what hap
 * ``remapped``: a request's table entry changed to another block, and not by the engine's
   de-duplication (the new block's content hash is not the hash of the request's tokens there);
 * ``prefix``: a request got the block from the prefix cache (noted as a mismatch when the
-  block's content hash is not that of the request's tokens: a stale prefix-cache entry).
+  block's content hash is not that of the request's tokens: a stale prefix-cache entry);
+* a fork's copies: which block each copied block came from and who held it then (a child's
+  copy of a block its parent did not hold is the fork's fault).
 
 Legitimate engine moves (a prefix hit, a fork's shared blocks, de-duplication onto an identical
 block, offloading and restoring) are noted only as how a request came to hold a block, never
@@ -36,6 +38,17 @@ class _AllocatorHistory:
         self.tables: dict = {}      # request id -> tuple of blocks at the last step
         self.events: dict = {}      # block -> [(step, kind, requests)]
         self.got: dict = {}         # request id -> {block: (step, how)}
+        self.copies: dict = {}      # block -> (source block, who held the source) of a fork
+
+    def note_copies(self, source_blocks, dest_blocks) -> None:
+        """A fork copied ``source_blocks`` into ``dest_blocks``: keep who held each source, so a
+        child whose copy came from a block its parent did not hold is told so."""
+        holders = defaultdict(list)
+        for rid, blocks in self.allocator.block_table.items():
+            for b in set(blocks):
+                holders[int(b)].append(rid)
+        for src, dst in zip(source_blocks, dest_blocks):
+            self.copies[int(dst)] = (int(src), tuple(sorted(holders.get(int(src), ()))))
 
     def _note(self, block: int, step: int, kind: str, requests, others=()) -> None:
         events = self.events.setdefault(block, [])
@@ -110,6 +123,14 @@ class _AllocatorHistory:
         how = self.got.get(reader, {}).get(block)
         by = "" if writer is None else (
             f", then {writer[0]} wrote its position {writer[1]} there at step {writer[2]}")
+        copied = self.copies.get(block)
+        parent = reader.rsplit("__child#", 1)[0] if "__child#" in reader else None
+        if copied is not None and parent is not None and parent not in copied[1] and \
+                how is not None and how[1] == "allocated":
+            src, held = copied
+            return (f"the fork of {parent} copied block {src} into {reader}'s block {block}, but "
+                    f"{parent} does not hold block {src} (held by {', '.join(held) or 'nobody'}): "
+                    "the fork copied another request's block")
         events = [e for e in self.events.get(block, ()) if reader in e[2]]
         kinds = {kind: (step, others) for step, kind, _, others in events}   # the latest
         if "freed" in kinds:

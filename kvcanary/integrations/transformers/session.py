@@ -410,6 +410,7 @@ class _Session:
         """A fork copied KV blocks: their records (and who wrote them) go along."""
         if not source_blocks:
             return
+        self.history.note_copies(source_blocks, dest_blocks)
         src, dst = self._block_slots(source_blocks), self._block_slots(dest_blocks)
         buf = self.context.canary_buf
         buf[self.xp.asarray(dst)] = buf[self.xp.asarray(src)]
