@@ -7,7 +7,9 @@ without real-KV fingerprints), k0 (layer 0's K rows) and kv-all (K and V of ever
 hash mode all, token check on, plans from the read indices. Per step the guard times its
 plan + verify before the forward and its write after it, and the engine's step between
 them; the figures are medians over the steps of one generation (after one warm-up run).
-Goal: at most 3% of the step at 12 layers with k0. Needs torch and transformers.
+Goals at 12 layers: k0 at most 2% of the step, kv-all at most 25%. The machine's load moves
+both the guard's and the engine's times: compare ratios of one run. Needs torch and
+transformers.
 
 Usage: python benchmarks/bench_transformers.py [--quick] [--requests N] [--new-tokens N]
        [--json PATH]"""
@@ -21,7 +23,7 @@ import sys
 
 SIZES = ((2, 64), (4, 256), (12, 768))
 SOURCES = (("none", ()), ("k0", "k0"), ("kv-all", "kv-all"))
-GOAL_PERCENT = 3.0
+GOAL_PERCENT = {"k0": 2.0, "kv-all": 25.0}    # at 12 layers
 
 
 def make_model(layers: int, hidden: int):
@@ -94,11 +96,12 @@ def main(argv=None) -> int:
             results.append(row)
             print(f"{f'{layers}x{hidden}':<10}{name:<9}{s['steps']:>6}"
                   f"{s['engine_ms_median']:>16.2f}{s['guard_ms_median']:>15.2f}{ratio:>13.1f}%")
-    big = [r for r in results if (r["layers"], r["sources"]) == (12, "k0")]
-    if big:
-        verdict = "met" if big[0]["overhead_percent"] <= GOAL_PERCENT else "NOT met"
-        print(f"goal: guard <= {GOAL_PERCENT:.0f}% of the step at 12 layers with k0: {verdict} "
-              f"({big[0]['overhead_percent']:.1f}%)")
+    for name, goal in GOAL_PERCENT.items():
+        big = [r for r in results if (r["layers"], r["sources"]) == (12, name)]
+        if big:
+            verdict = "met" if big[0]["overhead_percent"] <= goal else "NOT met"
+            print(f"goal: guard <= {goal:.0f}% of the step at 12 layers with {name}: {verdict} "
+                  f"({big[0]['overhead_percent']:.1f}%)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

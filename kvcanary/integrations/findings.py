@@ -115,7 +115,11 @@ class EngineEvidence:
     engine used (write rows); ``trash``: whether ``own_slot`` lies in the engine's trash
     blocks; ``near_slots``: the table slots of positions ``position - 1`` and ``position + 1``;
     ``own_followed``: whether that write went where the block table said at the time;
-    ``misread_before``: whether this step gathered position ``position - 1`` from a wrong slot."""
+    ``misread_before``: whether this step gathered position ``position - 1`` from a wrong slot;
+    ``history``: the cause the allocator's history names for the slot's block (freed while
+    held, handed to another request, remapped, a stale prefix-cache entry), None if none;
+    ``moved``: how the reader legitimately came to hold the block (``"de-duplicated at step
+    7"``, ``"prefix at step 3"``), never itself a cause."""
 
     request_id: str
     position: int
@@ -129,6 +133,8 @@ class EngineEvidence:
     sources: str = ""
     own_followed: bool = True
     misread_before: bool = False
+    history: str | None = None
+    moved: str | None = None
 
 
 def explain(sighting: Sighting, ev: EngineEvidence) -> str:
@@ -188,6 +194,13 @@ def _mapping_cause(v: Violation | None, ev: EngineEvidence, diagnosis=None) -> s
         if not ev.own_followed:
             return (f"{ev.request_id}'s write of position {ev.position} was misdirected to slot "
                     f"{ev.own_slot}, so its own slot {ev.slot} holds {holds}")
+        if ev.history:
+            return ev.history
+        if ev.moved:
+            return (f"slot {ev.slot} holds {holds}, not {ev.request_id}'s position "
+                    f"{ev.position}; {ev.request_id} reads it there since the engine moved its "
+                    f"entry ({_moved(ev.moved)}), a legitimate move: what changed the block "
+                    "after that is the fault")
         return (f"{ev.request_id} wrote position {ev.position} to slot {ev.own_slot} but now "
                 f"reads it from slot {ev.slot}, which holds {holds}: its block-table entry was "
                 "changed after the write (remapped onto another block)")
@@ -196,9 +209,13 @@ def _mapping_cause(v: Violation | None, ev: EngineEvidence, diagnosis=None) -> s
             return (f"{writer[0]} wrote its position {writer[1]} into slot {ev.slot} at step "
                     f"{writer[2]}, a slot {ev.request_id} still holds for position "
                     f"{ev.position}: a misdirected write by {writer[0]}")
+        if ev.history:
+            return ev.history
         return (f"slot {ev.slot} of {ev.request_id} position {ev.position} was overwritten by "
                 f"{writer[0]} (its position {writer[1]}, step {writer[2]}): the block was freed "
                 "or handed to another request while still referenced, then reused")
+    if ev.history:
+        return ev.history
     if writer is None:
         return (f"slot {ev.slot} was never written this session, yet {ev.request_id} reads "
                 f"position {ev.position} from it")
@@ -217,7 +234,14 @@ def _mapping_cause(v: Violation | None, ev: EngineEvidence, diagnosis=None) -> s
                 f"for position {ev.position} at step {writer[2]}, but the request's token there "
                 f"is {v.expected_token}: its token ids and positions disagree (an input id or "
                 "the position offset is off)")
+    if ev.moved:
+        return (f"slot {ev.slot} holds {holds}, not {ev.request_id}'s position {ev.position} "
+                f"({ev.request_id} holds the block by a legitimate move: {_moved(ev.moved)})")
     return f"slot {ev.slot} holds {holds}, not {ev.request_id}'s position {ev.position}"
+
+
+def _moved(moved: str) -> str:
+    return moved.replace("prefix", "a prefix-cache hit", 1)
 
 
 def _shift(slot, near_slots) -> int:

@@ -39,7 +39,7 @@ def test_a_bug_in_the_guard_runs_the_step_unguarded_and_raises_guard_error(model
     def broken(self, processor):
         raise ZeroDivisionError("a bug in the guard")
 
-    monkeypatch.setattr(session_module._Session, when, broken)
+    monkeypatch.setattr(session_module.Session, when, broken)
     guard = kvt.guard(model, on_violation=lambda f: None)
     with caplog.at_level(logging.ERROR, logger="kvcanary"), guard:
         with pytest.raises(kvt.GuardError, match=r"the guard failed .* \(ZeroDivisionError") as info:

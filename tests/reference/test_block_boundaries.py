@@ -96,6 +96,23 @@ def test_real_kv_hash_equals_the_per_slot_fold(monkeypatch, chunk, page_size):
     assert [hashing.to_signed(int(v)) for v in got] == want
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 1 << 25])
+def test_many_sources_of_mixed_widths_fold_side_by_side_as_one_at_a_time(monkeypatch,
+                                                                        chunk_bytes):
+    # Sources of one read width fold together (K and V of every layer); their order in the
+    # fingerprint stays the source order, whatever the grouping and the byte budget.
+    monkeypatch.setattr(realkv, "CHUNK_BYTES", chunk_bytes)
+    wide = make_sources(3, 11, bytes_per_token=48, page_size=2, fill="random", seed=1)
+    narrow = make_sources(2, 11, bytes_per_token=32, read_bytes=16, page_size=2,
+                          fill="random", seed=2)
+    sources = [wide[0], narrow[0], wide[1], narrow[1], wide[2]]
+    slots = np.random.default_rng(3).permutation(11)
+    for mode in (ALL, kc.RealKvHashMode.PARTIAL):
+        got = realkv.real_kv_hash(sources, mode, slots)
+        want = [real_kv(sources, int(mode), int(slot)) for slot in slots]
+        assert [hashing.to_signed(int(v)) for v in got] == want
+
+
 @pytest.mark.parametrize("chunk", [2, 5])
 def test_real_kv_fault_beside_a_chunk_edge_is_reported_at_that_slot(monkeypatch, chunk):
     monkeypatch.setattr(realkv, "CHUNK_SLOTS", chunk)

@@ -18,6 +18,9 @@ from ...format.hashing import splitmix64_inplace
 # fold's passes over it in cache. Read at call time, so tests shrink it to cross chunk
 # edges with small buffers.
 CHUNK_SLOTS = 1 << 13
+# Bytes gathered per chunk when several sources fold together (one engine's K and V of
+# every layer): fewer slots per chunk, so the temporary copy stays this size.
+CHUNK_BYTES = 1 << 25
 
 
 def slot_bytes(source, slots: np.ndarray, num_bytes: int) -> np.ndarray:
@@ -55,6 +58,24 @@ def outside_sources(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndar
     return outside
 
 
+def fold_sources(sources, slots: np.ndarray, num_bytes: int) -> np.ndarray:
+    """``uint64[len(sources), n]``: :func:`fold_source` of each source (all read ``num_bytes``
+    per slot), folded side by side: one pass per word column for all of them, not one per
+    source, so many small sources cost about what one large one does."""
+    if len(sources) == 1:       # one source: its words fold in place, with no transpose
+        return fold_source(sources[0], slots, num_bytes)[None, :]
+    # [source, word, slot]: each source's words transposed once, so every pass of the fold
+    # reads one contiguous run per source.
+    words = np.empty((len(sources), num_bytes // 8, slots.shape[0]), dtype=np.uint64)
+    for row, source in enumerate(sources):
+        words[row] = np.ascontiguousarray(slot_bytes(source, slots, num_bytes)).view("<u8").T
+    acc = np.zeros((len(sources), slots.shape[0]), dtype=np.uint64)
+    for column in range(words.shape[1]):
+        acc ^= words[:, column]
+        splitmix64_inplace(acc)
+    return acc
+
+
 def real_kv_hash(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndarray:
     """uint64 fingerprint per slot; 0 when the mode is NONE or there are no sources, and
     for a slot outside a source (whose bytes are then not read)."""
@@ -66,10 +87,20 @@ def real_kv_hash(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndarray
     if inside.size < slots.size:
         result[inside] = real_kv_hash(sources, mode, slots[inside])
         return result
-    for begin in range(0, slots.shape[0], CHUNK_SLOTS):
-        chunk = slots[begin:begin + CHUNK_SLOTS]
-        acc = result[begin:begin + CHUNK_SLOTS]
-        for source in sources:
-            acc ^= fold_source(source, chunk, source.effective_read_bytes(mode))
+    widths = [source.effective_read_bytes(mode) for source in sources]
+    groups = {}     # read bytes -> indices of the sources that read that many
+    for index, width in enumerate(widths):
+        groups.setdefault(width, []).append(index)
+    chunk_slots = max(1, min(CHUNK_SLOTS, CHUNK_BYTES // max(1, sum(widths))))
+    for begin in range(0, slots.shape[0], chunk_slots):
+        chunk = slots[begin:begin + chunk_slots]
+        acc = result[begin:begin + chunk_slots]
+        folded = [None] * len(sources)
+        for width, members in groups.items():
+            rows = fold_sources([sources[i] for i in members], chunk, width)
+            for row, index in enumerate(members):
+                folded[index] = rows[row]
+        for source_fold in folded:     # in source order
+            acc ^= source_fold
             splitmix64_inplace(acc)
     return result

@@ -16,6 +16,7 @@ itself is deleted again). transformers is imported only inside the functions her
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -34,13 +35,16 @@ _logger = logging.getLogger("kvcanary")
 
 
 def supported_version(version: str) -> bool:
-    """Whether ``version`` (a transformers ``__version__``) lies in ``SUPPORTED_RANGE``."""
-    parts = version.split(".")
-    try:
-        major_minor = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
+    """Whether ``version`` (a transformers ``__version__``) lies in ``SUPPORTED_RANGE``: a
+    release (``5.22.2``, also with a post-release or local tag) of a supported minor; a
+    pre-release or development build (``5.20.0rc1``, ``5.25.0.dev0``) is outside it."""
+    match = _RELEASE.fullmatch(version.strip())
+    if match is None:
         return False
-    return SUPPORTED_VERSIONS[0] <= major_minor <= SUPPORTED_VERSIONS[1]
+    return SUPPORTED_VERSIONS[0] <= (int(match[1]), int(match[2])) <= SUPPORTED_VERSIONS[1]
+
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)?(?:\.post\d+)?(?:\+[0-9A-Za-z.]+)?")
 
 
 class Hooks:
@@ -148,7 +152,8 @@ def _copy_blocks_hook(original):
     def copy_blocks(self, source_block_ids, dest_block_ids):
         original(self, source_block_ids, dest_block_ids)
         for session in Hooks.sessions_of(lambda s: s.allocator is self):
-            session.copy_records(list(source_block_ids), list(dest_block_ids))
+            with session.on_engine_stream():
+                session.copy_records(list(source_block_ids), list(dest_block_ids))
 
     copy_blocks.__wrapped__ = original
     return copy_blocks
@@ -158,9 +163,10 @@ def _offload_hook(original):
     def _offload_to_cpu(self, victims, victim_block_tables):
         offloaded = original(self, victims, victim_block_tables)
         for session in Hooks.sessions_of(lambda s: s.cache is self.cache):
-            for request_id in offloaded:
-                blocks = victim_block_tables[request_id].get(session.group_name, [])
-                session.save_records(request_id, blocks)
+            with session.on_engine_stream():
+                for request_id in offloaded:
+                    blocks = victim_block_tables[request_id].get(session.group_name, [])
+                    session.save_records(request_id, blocks)
         return offloaded
 
     _offload_to_cpu.__wrapped__ = original
@@ -170,9 +176,10 @@ def _offload_hook(original):
 def _restore_hook(original):
     def restore_scheduled_requests(self, requests_in_batch):
         for session in Hooks.sessions_of(lambda s: s.cache is self.cache):
-            for future in requests_in_batch:
-                if future.state.is_cpu_offloaded:
-                    session.restore_records(future.state)
+            with session.on_engine_stream():
+                for future in requests_in_batch:
+                    if future.state.is_cpu_offloaded:
+                        session.restore_records(future.state)
         return original(self, requests_in_batch)
 
     restore_scheduled_requests.__wrapped__ = original

@@ -25,7 +25,7 @@ from ...format.consts import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, LaunchTag, 
 from ...findings.diagnosis import diagnose, failed_checks
 from ...findings.evidence import Entry
 from ...format.rules import window_start
-from ...model.types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan, to_host
+from ...model.types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
 from ...format.violations import Violation
 from ..findings import (
     READ_INDEX_MISMATCH,
@@ -36,6 +36,8 @@ from ..findings import (
     row_reasons,
 )
 from ...format.errors import GuardError
+from . import dumps
+from .history import AllocatorHistory
 
 if TYPE_CHECKING:    # the guard module imports this one
     from . import Guard
@@ -111,6 +113,8 @@ class Session:
         self.saved: dict = {}     # offloaded request id -> (records, writer columns) per block
         self.step = None
         self.last = None
+        self.processor = None     # the batch processor of the last guarded step
+        self.history = AllocatorHistory(allocator)
 
     def _sources(self, copy_view) -> list:
         """``[(name, RealKvSource)]``: each a zero-copy view of one layer's K or V rows (the
@@ -133,14 +137,18 @@ class Session:
                 read_bytes=token_bytes)))
         return out
 
-    def on_engine_stream(self, processor):
-        """On a CUDA device, kvcanary's launches queue on the stream the engine computes on,
-        so a verify or write never races the engine's KV writes."""
+    def on_engine_stream(self, processor=None):
+        """On a CUDA device, kvcanary's launches queue on the stream the engine computes on
+        (``processor``'s, by default the last guarded step's), so a verify or write never races
+        the engine's KV writes, and the records a fork copies or offloading saves are those the
+        step's write launch left (a copy on another stream could read them before it ran)."""
         if self.xp is np:
             return contextlib.nullcontext()
         import torch
 
-        stream = processor.inputs_and_outputs.compute_stream or torch.cuda.current_stream()
+        processor = processor or self.processor
+        stream = (None if processor is None else processor.inputs_and_outputs.compute_stream) \
+            or torch.cuda.current_stream()
         return self.xp.cuda.ExternalStream(stream.cuda_stream)
 
     # -- index conversions
@@ -183,15 +191,20 @@ class Session:
         )
 
         g = self.guard
+        self.processor = processor
         io = processor.inputs_and_outputs
         if type(io) is not ContinuousBatchingIOs:
             raise GuardError("asynchronous batching is not supported; run with "
                              "ContinuousBatchingConfig(use_async_batching=False)")
         self.step = g.stats["steps"]     # counted once per step for every group
+        active = processor.scheduler.active_requests
+        self.history.observe(self.step, lambda rid: None if rid not in active else
+                             active[rid].initial_tokens + active[rid].generated_tokens)
         batch = []
         read_all, row = None, self.group_index
         if not io.use_block_table and io.max_kv_read > 0 and io.true_read_sizes[row] > 0:
-            read_all = self.to_slots(host_array(io.read_index_storage[row, :io.true_read_sizes[row]]))
+            read_all = self.to_slots(
+                host_array(io.read_index_storage[row, :io.true_read_sizes[row]]))
         read_at = 0
         for future in io.requests_in_batch:
             state = future.state
@@ -396,12 +409,15 @@ class Session:
                      for p in (position - 1, position + 1))
         trash = own is not None and 0 <= own < self.num_slots and \
             own // self.page < self.trash_blocks
+        block = slot // self.page if 0 <= slot < self.num_slots else None
         return EngineEvidence(
             request_id=rec.request_id, position=position, slot=slot,
             table_slot=int(table[position]) if position < table.size else -1,
             writer=writer, own_slot=own, engine_position=engine_position, trash=trash,
             near_slots=near, sources="+".join(name for name, _ in self.real_kv) or "no source",
-            own_followed=followed, misread_before=misread_before)
+            own_followed=followed, misread_before=misread_before,
+            history=None if block is None else self.history.cause(rec.request_id, block, writer),
+            moved=None if block is None else self.history.move(rec.request_id, block))
 
     # -- forks and offloading
 
@@ -419,6 +435,7 @@ class Session:
         """A fork copied KV blocks: their records (and who wrote them) go along."""
         if not source_blocks:
             return
+        self.history.note_copies(source_blocks, dest_blocks)
         src, dst = self._block_slots(source_blocks), self._block_slots(dest_blocks)
         buf = self.context.canary_buf
         buf[self.xp.asarray(dst)] = buf[self.xp.asarray(src)]
@@ -459,31 +476,8 @@ class Session:
         return dict(block_table=block_table, block_size=self.page)
 
     def dump_arrays(self) -> dict:
-        last = self.last
-        n = len(last)
-        arrays = dict(
-            kvcanary_dump_version=1,
-            canary=np.ascontiguousarray(to_host(self.context.canary_buf)),
-            **self.dump_table(last),
-            req_pool_indices=np.arange(1, n + 1, dtype=np.int64),
-            seq_lens=np.array([length for _, _, length, _ in last], dtype=np.int64),
-            launch_tag=self.launch_tag.name)
-        if self.real_kv and self.guard.hash_mode != RealKvHashMode.NONE:
-            for i, (_, source) in enumerate(self.real_kv):
-                arrays[f"real_kv_{i}"] = np.ascontiguousarray(to_host(source.tensor))
-            arrays["real_kv_params"] = np.array(
-                [[s.page_size, s.num_bytes_per_token, s.read_bytes] for _, s in self.real_kv],
-                dtype=np.int64)
-            arrays["real_kv_hash_mode"] = self.guard.hash_mode.name.lower()
-        if self.guard.check_tokens:
-            length = max(1, max(t.size for _, _, _, t in last))
-            expected = np.full((n + 1, length), -1, dtype=np.int32)
-            for i, (_, _, _, tokens) in enumerate(last):
-                expected[i + 1, :tokens.size] = tokens
-            arrays["expected_tokens"] = expected
-            arrays["expected_tokens_valid_lens"] = np.array(
-                [t.size for _, _, _, t in last], dtype=np.int64)
-        return arrays
+        """The last guarded step as ``kvcanary.dump.save``'s arguments (:mod:`.dumps`)."""
+        return dumps.dump_arrays(self)
 
 
 def host_array(tensor) -> np.ndarray:

@@ -1,0 +1,168 @@
+"""The allocator's history as the guard sees it between steps, for naming the cause of a record
+that is not the reader's own.
+
+Before each step :class:`AllocatorHistory` compares the engine's block tables, free pool and
+prefix-cache ledger with those of the step before and notes, per block, what happened to it:
+
+* ``freed``: the block is in the free pool while a request's table still holds it;
+* ``handed``: the pool gave the block to a request (a fresh allocation, not a prefix hit, a
+  fork's share or de-duplication) while another request still held it;
+* ``remapped``: a request's table entry changed to another block, and not by the engine's
+  de-duplication (the new block's content hash is not the hash of the request's tokens there);
+* ``prefix``: a request got the block from the prefix cache (noted as a mismatch when the
+  block's content hash is not that of the request's tokens: a stale prefix-cache entry);
+* a fork's copies: which block each copied block came from and who held it then (a child's
+  copy of a block its parent did not hold is the fork's fault).
+
+Legitimate engine moves (a prefix hit, a fork's shared blocks, de-duplication onto an identical
+block, offloading and restoring) are noted only as how a request came to hold a block, never
+as a cause. What is kept is bounded by the pool: per block its last few events, per request its
+table of the last step (dropped when the request leaves the tables).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+EVENTS_PER_BLOCK = 4
+
+
+class AllocatorHistory:
+    """Per block: the last ``EVENTS_PER_BLOCK`` events ``(step, kind, requests, others)``
+    (``requests``: who held it then; ``others``: who it was handed to); per request:
+    its table at the last step and, per block it holds, how and when it got it."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.page = int(allocator.tokens_per_page)
+        self.tables: dict = {}      # request id -> tuple of blocks at the last step
+        self.events: dict = {}      # block -> [(step, kind, requests)]
+        self.got: dict = {}         # request id -> {block: (step, how)}
+        self.copies: dict = {}      # block -> (source block, who held the source) of a fork
+
+    def note_copies(self, source_blocks, dest_blocks) -> None:
+        """A fork copied ``source_blocks`` into ``dest_blocks``: keep who held each source, so a
+        child whose copy came from a block its parent did not hold is told so."""
+        holders = defaultdict(list)
+        for rid, blocks in self.allocator.block_table.items():
+            for b in set(blocks):
+                holders[int(b)].append(rid)
+        for src, dst in zip(source_blocks, dest_blocks):
+            self.copies[int(dst)] = (int(src), tuple(sorted(holders.get(int(src), ()))))
+
+    def _note(self, block: int, step: int, kind: str, requests, others=()) -> None:
+        events = self.events.setdefault(block, [])
+        requests, others = tuple(sorted(requests)), tuple(sorted(others))
+        if events and events[-1][1:] == (kind, requests, others):
+            return                  # the same state seen again at a later step
+        events.append((step, kind, requests, others))
+        del events[:-EVENTS_PER_BLOCK]
+
+    def observe(self, step: int, tokens_of) -> None:
+        """Compare the allocator with the last step. ``tokens_of(request_id)``: the request's
+        token ids (prompt + generated), or None when the engine no longer knows it."""
+        a = self.allocator
+        tables = {rid: tuple(int(b) for b in blocks) for rid, blocks in a.block_table.items()}
+        holders = defaultdict(list)
+        for rid, blocks in tables.items():
+            for b in set(blocks):
+                holders[b].append(rid)
+        hashes = a.ledger.block_to_hash
+        fresh = defaultdict(list)   # block -> requests the pool gave it to this step
+        for rid, blocks in tables.items():
+            old = self.tables.get(rid)
+            got = self.got.setdefault(rid, {})
+            for i, b in enumerate(blocks):
+                if b in got and (old is None or i >= len(old) or old[i] == b):
+                    continue
+                legit = self._hash_matches(blocks, i, tokens_of(rid))
+                if old is not None and i < len(old) and old[i] != b:
+                    if legit:
+                        got[b] = (step, "de-duplicated")
+                    else:
+                        got[b] = (step, "remapped")
+                        self._note(b, step, "remapped", (rid,))
+                elif old is None and (b in hashes or len(holders[b]) > 1):
+                    # The engine shares a block with a new request only through a prefix hit.
+                    got[b] = (step, "prefix" if legit else "prefix-mismatch")
+                else:
+                    got[b] = (step, "allocated")
+                    fresh[b].append(rid)
+        free = {int(leaf) for tree in a.pool._free_blocks[a.index].trees.values()
+                for leaf in tree}
+        for b in free & holders.keys():
+            self._note(b, step, "freed", holders[b])
+        for b, given in fresh.items():
+            before = [rid for rid in holders[b] if rid not in given]
+            if before:              # handed out by the pool while others still held it
+                self._note(b, step, "handed", before, given)
+        for rid in set(self.got) - set(tables):
+            del self.got[rid]
+        self.tables = tables
+
+    def _hash_matches(self, blocks, i: int, tokens) -> bool:
+        """Whether block ``blocks[i]``'s content hash is the hash of the request's tokens of
+        that block (the engine's rule for prefix hits and de-duplication)."""
+        from transformers.generation.continuous_batching.cache_allocators.cache_allocator import (
+            compute_block_hash,
+        )
+
+        hashes = self.allocator.ledger.block_to_hash
+        have = hashes.get(blocks[i])
+        if have is None or tokens is None or len(tokens) < (i + 1) * self.page:
+            return False
+        parent = hashes.get(blocks[i - 1]) if i else None
+        if i and parent is None:
+            return False
+        return have == compute_block_hash(parent, list(tokens[i * self.page:(i + 1) * self.page]))
+
+    def cause(self, reader: str, block: int, writer) -> str | None:
+        """The cause, from the history, that ``reader`` finds another record (``writer``:
+        ``(request, position, step, followed)`` of the slot's last write) in ``block``; None
+        when the history names none (then the facts alone are stated)."""
+        how = self.got.get(reader, {}).get(block)
+        by = "" if writer is None else (
+            f", then {writer[0]} wrote its position {writer[1]} there at step {writer[2]}")
+        copied = self.copies.get(block)
+        parent = reader.rsplit("__child#", 1)[0] if "__child#" in reader else None
+        if copied is not None and parent is not None and parent not in copied[1] and \
+                how is not None and how[1] == "allocated":
+            src, held = copied
+            return (f"the fork of {parent} copied block {src} into {reader}'s block {block}, but "
+                    f"{parent} does not hold block {src} (held by {', '.join(held) or 'nobody'}): "
+                    "the fork copied another request's block")
+        events = [e for e in self.events.get(block, ()) if reader in e[2]]
+        kinds = {kind: (step, others) for step, kind, _, others in events}   # the latest
+        if "freed" in kinds:
+            return (f"block {block} was freed at step {kinds['freed'][0]} while {reader} still "
+                    f"held it{by}: the block was freed while held and reused")
+        if "remapped" in kinds:
+            return (f"{reader}'s block-table entry was changed to block {block} at step "
+                    f"{kinds['remapped'][0]}, which holds none of its content: the entry was "
+                    "remapped onto another block")
+        if "handed" in kinds:
+            step, others = kinds["handed"]
+            return (f"block {block} was handed to {', '.join(others)} at step {step} while "
+                    f"{reader} still held it{by}")
+        freed = [(step, requests) for step, kind, requests, _ in self.events.get(block, ())
+                 if kind in ("freed", "handed")]
+        why = "" if not freed else (
+            f"; block {block} was freed at step {freed[-1][0]} while "
+            f"{', '.join(freed[-1][1])} still held it, and its hash stayed in the cache")
+        if how is not None and how[1] == "prefix":
+            return (f"{reader} got block {block} from the prefix cache at step {how[0]} (its "
+                    f"content hash matched {reader}'s tokens){by}: a stale prefix-cache "
+                    f"entry{why}")
+        if how is not None and how[1] == "prefix-mismatch":
+            return (f"{reader} got block {block} from the prefix cache at step {how[0]}, but the "
+                    f"block's content hash is not that of {reader}'s tokens there: a stale "
+                    f"prefix-cache entry (the hash names a block that holds other content){why}")
+        return None
+
+    def move(self, reader: str, block: int) -> str | None:
+        """How ``reader`` came to hold ``block`` when that was a legitimate engine move
+        (``"de-duplicated"``, ``"prefix"``) and when, else None."""
+        how = self.got.get(reader, {}).get(block)
+        if how is None or how[1] not in ("de-duplicated", "prefix"):
+            return None
+        return f"{how[1]} at step {how[0]}"
