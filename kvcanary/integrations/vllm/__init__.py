@@ -31,9 +31,10 @@ import numpy as np
 
 from ...findings.attribution import Merger
 from ...dump import save as save_dump
+from ...format.errors import GuardError
 from ...format.violations import Violation
 from ..findings import Finding, Sighting
-from .session import _Session
+from .session import Session
 
 logger = logging.getLogger("kvcanary")
 
@@ -41,15 +42,6 @@ logger = logging.getLogger("kvcanary")
 SUPPORTED_VERSIONS = ((0, 32), (0, 33))   # first and last supported minor, inclusive
 SUPPORTED_RANGE = ">=0.32,<0.34"
 ON_VIOLATION = ("log", "raise")
-
-
-class GuardError(RuntimeError):
-    """A guard that cannot run (unsupported version, bad argument), or, with
-    ``on_violation="raise"``, the first finding (``.finding``) that stopped the step."""
-
-    def __init__(self, message: str, finding=None):
-        super().__init__(message)
-        self.finding = finding
 
 
 def supported_version(version: str) -> bool:
@@ -77,21 +69,21 @@ def guard(scheduler, *, check_tokens: bool = True, on_violation="log",
     import vllm
 
     if not supported_version(vllm.__version__):
-        raise GuardError(f"kvcanary: vLLM {vllm.__version__} is not supported by "
+        raise GuardError(f"vLLM {vllm.__version__} is not supported by "
                          f"kvcanary.integrations.vllm (supported: vllm{SUPPORTED_RANGE})")
     if not callable(on_violation) and on_violation not in ON_VIOLATION:
-        raise GuardError("kvcanary: on_violation must be 'log', 'raise' or a callable, got "
+        raise GuardError("on_violation must be 'log', 'raise' or a callable, got "
                          f"{on_violation!r}")
     if not callable(getattr(scheduler, "schedule", None)) or \
             getattr(scheduler, "kv_cache_config", None) is None:
-        raise GuardError("kvcanary: guard() needs a vLLM v1 Scheduler, got "
+        raise GuardError("guard() needs a vLLM v1 Scheduler, got "
                          f"{type(scheduler).__name__}")
     sizes = {int(g.kv_cache_spec.block_size) for g in scheduler.kv_cache_config.kv_cache_groups}
     if len(sizes) != 1:
-        raise GuardError(f"kvcanary: KV cache groups of different block sizes {sorted(sizes)} "
+        raise GuardError(f"KV cache groups of different block sizes {sorted(sizes)} "
                          "are not supported")
     if int(ring_capacity) < 1:
-        raise GuardError(f"kvcanary: ring_capacity must be >= 1, got {ring_capacity!r}")
+        raise GuardError(f"ring_capacity must be >= 1, got {ring_capacity!r}")
     return Guard(scheduler, bool(check_tokens), on_violation, int(ring_capacity))
 
 
@@ -109,13 +101,13 @@ class Guard:
         self.stats = dict(steps=0, entries_verified=0, tokens_written=0, ring_rows=0,
                           rows_dropped=0, groups=len(scheduler.kv_cache_config.kv_cache_groups))
         self.step_times = deque(maxlen=1 << 16)   # guard seconds of the latest steps
-        self._session = _Session(self, scheduler)
+        self.session = Session(self, scheduler)
         self._inside = False
         self._error = None
 
     def __enter__(self) -> "Guard":
         if self._inside:
-            raise GuardError("kvcanary: this guard is already active")
+            raise GuardError("this guard is already active")
         s = self.scheduler
         self._had_own = "schedule" in s.__dict__
         self._own = s.__dict__.get("schedule")
@@ -125,7 +117,7 @@ class Guard:
             out = original(*args, **kwargs)
             start = time.perf_counter()
             self._error = None
-            self._session.on_schedule(out)
+            self.session.on_schedule(out)
             self.step_times.append(time.perf_counter() - start)
             if self._error is not None:
                 raise self._error
@@ -163,17 +155,17 @@ class Guard:
 
     def dump(self, path) -> str:
         """Write the last guarded step (full-attention group 0) as a kvcanary dump."""
-        if self._session.last is None:
-            raise GuardError("kvcanary: guard.dump needs at least one guarded step")
-        return save_dump(path, **self._session.dump_arrays())
+        if self.session.last is None:
+            raise GuardError("guard.dump needs at least one guarded step")
+        return save_dump(path, **self.session.dump_arrays())
 
-    def _report(self, finding) -> None:
+    def report(self, finding) -> None:
         if self.on_violation == "log":
             logger.warning("%s request=%s position=%d: %s", finding.log_line, finding.request_id,
                            finding.position, finding.explanation)
         elif self.on_violation == "raise":
             if self._error is None:
-                self._error = GuardError("kvcanary: KV-cache violation: "
+                self._error = GuardError("KV-cache violation: "
                                          f"{finding.describe()}", finding)
         else:
             self.on_violation(finding)

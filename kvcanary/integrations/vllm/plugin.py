@@ -26,6 +26,8 @@ import atexit
 import logging
 import os
 
+from ...format.errors import GUARD_PREFIX
+
 logger = logging.getLogger("kvcanary")
 
 GUARDS: list = []       # the guards this process installed
@@ -37,16 +39,16 @@ def options() -> dict:
 
     on_violation = os.environ.get("KVCANARY_VLLM_ON_VIOLATION", "log")
     if on_violation not in ON_VIOLATION:
-        raise GuardError(f"kvcanary: KVCANARY_VLLM_ON_VIOLATION must be 'log' or 'raise', "
+        raise GuardError(f"KVCANARY_VLLM_ON_VIOLATION must be 'log' or 'raise', "
                          f"got {on_violation!r}")
     check = os.environ.get("KVCANARY_VLLM_CHECK_TOKENS", "1")
     if check not in ("0", "1"):
-        raise GuardError(f"kvcanary: KVCANARY_VLLM_CHECK_TOKENS must be 0 or 1, got {check!r}")
+        raise GuardError(f"KVCANARY_VLLM_CHECK_TOKENS must be 0 or 1, got {check!r}")
     ring = os.environ.get("KVCANARY_VLLM_RING", "4096")
     try:
         ring_capacity = int(ring)
     except ValueError:
-        raise GuardError(f"kvcanary: KVCANARY_VLLM_RING must be an integer, got {ring!r}") \
+        raise GuardError(f"KVCANARY_VLLM_RING must be an integer, got {ring!r}") \
             from None
     return dict(check_tokens=check == "1", on_violation=on_violation,
                 ring_capacity=ring_capacity)
@@ -82,7 +84,7 @@ def _install(scheduler) -> None:
         return
     g.__enter__()
     GUARDS.append(g)
-    logger.info("kvcanary: guarding vLLM's scheduler (%d KV cache group(s))",
+    logger.info("%sguarding vLLM's scheduler (%d KV cache group(s))", GUARD_PREFIX,
                 g.stats["groups"])
     if len(GUARDS) == 1:
         atexit.register(_at_exit)
@@ -92,11 +94,11 @@ def _at_exit() -> None:
     path = os.environ.get("KVCANARY_VLLM_DUMP")
     for index, g in enumerate(GUARDS):
         summary = g.summary()
-        logger.info("kvcanary: %d steps guarded, %d finding(s)", summary["steps"],
+        logger.info("%s%d steps guarded, %d finding(s)", GUARD_PREFIX, summary["steps"],
                     summary["findings"])
-        if path and g._session.last is not None:
+        if path and g.session.last is not None:
             target = path if index == 0 else f"{path}.{index}"
             try:
                 g.dump(target)
             except (OSError, ValueError) as exc:
-                logger.error("kvcanary: the dump %s could not be written: %s", target, exc)
+                logger.error("%sthe dump %s could not be written: %s", GUARD_PREFIX, target, exc)

@@ -21,7 +21,8 @@ import numpy as np
 
 from ...api import launches as api
 from ...findings.attribution import attribute
-from ...format.consts import CANARY_SLOT_BYTES, FailReason, LaunchTag
+from ...format.bits import SLOT_ZERO_IN_PREFIX as _SLOT_ZERO
+from ...format.consts import CANARY_SLOT_BYTES, LaunchTag
 from ...findings.diagnosis import diagnose
 from ...model.types import CanaryContext, VerifyPlan, ViolationLog, WritePlan
 from ...format.violations import Violation
@@ -31,7 +32,6 @@ from .causes import vllm_cause
 if TYPE_CHECKING:
     from . import Guard
 
-_SLOT_ZERO = int(FailReason.SLOT_ZERO_IN_PREFIX)
 
 
 class _Row(NamedTuple):
@@ -46,7 +46,7 @@ class _Row(NamedTuple):
     tokens: np.ndarray     # the request's token ids (prompt + output)
 
 
-class _Session:
+class Session:
     """Canary buffer over the block pool, tables per request and group, who wrote each
     slot and how each request got each block."""
 
@@ -281,7 +281,7 @@ class _Session:
             found.explanation = vllm_cause(self, found.finding, ev, r) or explain(
                 found.finding, ev)
             found.group = r.group
-            g._report(found)
+            g.report(found)
 
     # -- dump
 
