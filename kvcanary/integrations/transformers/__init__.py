@@ -34,6 +34,7 @@ layer ``i``'s K (or V) rows of every block. torch and transformers are imported 
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import numpy as np
 
@@ -43,6 +44,7 @@ from ...dump import save as save_dump
 from ...violations import Violation
 from ..findings import Finding, Sighting
 from .hooks import SUPPORTED_RANGE, SUPPORTED_VERSIONS, GuardError, _Hooks, supported_version
+from .manager import RAW_ROWS_KEPT, STEP_TIMES_KEPT
 from .session import _Session
 
 logger = logging.getLogger("kvcanary")
@@ -134,14 +136,15 @@ class Guard:
         self.on_violation = on_violation
         self.ring_capacity = ring_capacity
         self.merger = Merger(key=Sighting.key, kind=Finding)
-        self.raw_rows = []       # (step, int64 [8] row) of every ring row
+        self.raw_rows = deque(maxlen=RAW_ROWS_KEPT)   # (step, int64 [8] row): the newest rows
         self.stats = dict(steps=0, entries_verified=0, tokens_written=0, ring_rows=0,
                           rows_dropped=0, blocks_copied=0, blocks_restored=0, sessions=0,
                           read_index_mismatches=0, write_index_mismatches=0)
         self._session = None
         self._error = None
         self._inside = False
-        self.step_times = []     # (guard seconds, engine step seconds) per guarded step
+        # (guard seconds, engine step seconds) of the newest guarded steps
+        self.step_times = deque(maxlen=STEP_TIMES_KEPT)
 
     # -- context manager
 
