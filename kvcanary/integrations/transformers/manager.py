@@ -136,6 +136,8 @@ def prune(session, scheduler) -> int:
     many requests were dropped."""
     live = scheduler.active_requests.keys() | scheduler.waiting_requests.keys()
     gone = [rid for rid in session.requests if rid not in live]
+    stats = session.guard.stats
+    stats["requests_guarded"] = stats.get("requests_guarded", 0) + len(gone)
     for rid in gone:
         del session.requests[rid]
         session.uid_of.pop(rid, None)
