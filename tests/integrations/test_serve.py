@@ -239,19 +239,32 @@ def test_metrics_findings_and_canary_log_agree(drilled):
         assert f"request={f['request_id']} position={f['position']}" in log.read_text()
 
 
+# Per drill: what the guard's explanation says, and the causes kvcanary explain may give the
+# same row from the log alone (a record that is another request's is one class of cause).
+CAUSES = {"kv-flip": ("changed after they were written", {"kv-bytes-changed"}),
+          "position-shift": ("shifted by +1", {"write-input"}),
+          "remap": ("remapped", {"record-changed", "overwritten", "position-changed",
+                                 "shifted-mapping"}),
+          "free-held": ("freed", {"record-changed", "overwritten", "position-changed",
+                                  "shifted-mapping"})}
+
+
 def test_explain_of_the_canary_log_names_the_same_cause(drilled):
     server, _, log = drilled
     findings = get_json(server.url + "/kvcanary/findings")["findings"]
     result = CliRunner().invoke(main, ["explain", str(log), "--format", "json"])
     assert result.exit_code == 1, result.output
-    explained = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
-    text_out = json.dumps(explained)
-    flip = [f for f in findings if f["reasons"] == ["verify_real_kv_hash"]]
-    assert flip and "real_kv" in text_out
-    shifted = [f for f in findings if "write_position" in "+".join(f["reasons"])]
-    assert shifted and "write_position" in text_out
-    slots = {f["slot"] for f in findings if f["violation"]}
-    assert slots <= {int(s) for s in re.findall(r'"slot(?:_idx)?": (\d+)', text_out)}
+    rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    explained = {(r["slot_idx"], r["position"], r["fail_reason"]): r for r in rows
+                 if r.get("record") == "violation"}
+    for d in summary(server)["drills"]:
+        words, causes = CAUSES[d["kind"]]
+        mine = [f for f in findings if f["http_request_id"] == d["request_id"] and
+                f["violation"] and words in f["explanation"]]
+        assert mine, (d, [f["explanation"] for f in findings][:5])
+        v = mine[0]["violation"]
+        row = explained[(v["slot_idx"], v["position"], v["fail_reason"])]
+        assert row["diagnosis"]["cause"] in causes, (d["kind"], row["likely_cause"])
 
 
 def test_sigint_drains_and_exits_0(drilled):
@@ -266,3 +279,27 @@ def test_bad_options_exit_2(model_dir):
     assert result.exit_code == 2 and "drill 'melt@3'" in result.output
     result = runner.invoke(main, ["serve", model_dir, "--sources", "k9"])
     assert result.exit_code == 2 and "sources" in result.output
+
+
+def test_on_violation_exit_fails_the_requests_in_flight_and_exits_1(model_dir, tmp_path):
+    server = Server(model_dir, "--on-violation", "exit", "--drill", "kv-flip@3",
+                    "--canary-log", tmp_path / "canary.log", log_path=tmp_path / "server.log")
+    try:
+        async def load():
+            c = client(server)
+            r = random.Random(2)
+            out = await asyncio.gather(*[
+                ask(c, model_dir, i, chat=False, stream=bool(i % 2), max_tokens=40,
+                    prompt=text(r, 30)) for i in range(12)])
+            await c.close()
+            return out
+
+        results = asyncio.run(load())
+        assert server.proc.wait(timeout=90) == 1, server.output()[-2000:]
+    finally:
+        server.stop()
+    assert any(error is not None for _, _, error in results), results
+    # Full-length answers would have outlived the finding: none of them came back whole.
+    assert not any(res[:2] == ("length", 40) for res in results), results
+    assert "kv_canary violation:" in (tmp_path / "canary.log").read_text()
+    assert "serve stopped by a finding" in server.output()
