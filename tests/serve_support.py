@@ -71,15 +71,22 @@ def get_text(url: str, timeout: float = 10) -> str:
 
 class Server:
     """``kvcanary serve MODEL *options -- --host 127.0.0.1 --port P *serve_options`` in a
-    subprocess, started and waited for (``/health``)."""
+    subprocess (``unguarded``: ``transformers serve`` itself), started and waited for
+    (``/health``)."""
 
-    def __init__(self, model_dir, *options, serve_options=(), log_path=None, timeout=120):
+    def __init__(self, model_dir, *options, serve_options=(), log_path=None, timeout=180,
+                 unguarded=False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "kvcanary", "serve", str(model_dir), *options, "--",
-               "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
-               "--cb-block-size", "16", "--cb-num-blocks", "64", *serve_options]
+        common = ["--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
+                  "--cb-block-size", "16", "--cb-num-blocks", "64", *serve_options]
+        if unguarded:       # transformers' own server, for comparison
+            cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve",
+                   str(model_dir), "--continuous-batching", *common]
+        else:
+            cmd = [sys.executable, "-m", "kvcanary", "serve", str(model_dir), *options, "--",
+                   *common]
         self.stderr = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self.stderr, stderr=self.stderr,
                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

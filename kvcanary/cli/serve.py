@@ -10,7 +10,8 @@ from .common import EXIT_ERROR, ERROR_PREFIX, user_error
 
 @click.command("serve", context_settings={"ignore_unknown_options": False})
 @click.argument("model")
-@click.option("--sources", default="k0", show_default=True,
+@click.option("--sources", type=click.Choice(["k0", "kv-all", "none"]), default="k0",
+              show_default=True,
               help="Real-KV sources: k0 (layer 0's K rows), kv-all (K and V of every layer) "
                    "or none.")
 @click.option("--hash-mode", type=click.Choice(["none", "partial", "all"]), default="all",
