@@ -31,11 +31,12 @@ __all__ = ["ON_VIOLATION", "ServeState", "run"]
 
 def run(model: str, *, sources="k0", hash_mode="all", check_tokens=True,
         plan_from="read_indices", on_violation="log", canary_log=None, drills=(),
-        serve_args=(), ready=None) -> int:
+        serve_args=()) -> int:
     """Serve ``model`` (a path or hub name, as ``transformers serve`` takes it) guarded,
     until SIGINT or SIGTERM; ``serve_args`` are ``transformers serve`` options. Returns the
-    exit status: 0 after a drained stop, 1 when ``on_violation="exit"`` stopped it.
-    ``ready(state, serve)`` is called once the server listens. Raises :class:`GuardError`
+    exit status: 0 after a drained stop, 1 when ``on_violation="exit"`` stopped it, 2
+    when the server ended by itself.
+    Raises :class:`GuardError`
     for a bad option, ``ImportError`` when a serving package is missing."""
     drill_set = DrillSet([parse_drill(d) for d in drills])
     _require_packages()
@@ -48,11 +49,9 @@ def run(model: str, *, sources="k0", hash_mode="all", check_tokens=True,
     try:
         patches.apply()
         drill_set.install()
-        serve = _start(model, serve_args)
-        with stop.on_signals():
+        with stop.on_signals():          # also while the model loads
+            serve = _start(model, serve_args)
             _wait_started(serve, stop)
-            if ready is not None and serve.server.started:
-                ready(state, serve)
             while serve._thread.is_alive() and not stop.event.wait(0.2):
                 if state.exit_requested.is_set():
                     break
@@ -61,11 +60,17 @@ def run(model: str, *, sources="k0", hash_mode="all", check_tokens=True,
         drill_set.uninstall()
         patches.restore()
         state.close()
-    why = stop.name or ("a finding (--on-violation exit)" if state.exit_code else "its server")
+    code = state.exit_code
+    if stop.name:
+        why = stop.name
+    elif code:
+        why = "a finding (--on-violation exit)"
+    else:
+        why, code = "its own end (see the server's log above)", 2
     totals = state.totals()
     print(f"kvcanary: serve stopped by {why}: {totals['requests_guarded']} requests guarded, "
           f"{state.findings_total} findings", file=sys.stderr)
-    return state.exit_code
+    return code
 
 
 def _require_packages() -> None:
@@ -148,12 +153,9 @@ def _wait_started(serve, stop: _Stop) -> None:
     if not serve.server.started and not stop.event.is_set():
         serve._thread.join(5)
         raise GuardError("kvcanary: the server did not start (see its log above)")
-    logger.info("kvcanary serve: listening, guard %s", _options_text(serve))
-
-
-def _options_text(serve) -> str:
     config = serve.server.config
-    return f"on http://{config.host}:{config.port}"
+    logger.info("kvcanary serve: guarded server listening on http://%s:%s", config.host,
+                config.port)
 
 
 def _drain(serve, stop: _Stop, state: ServeState) -> None:
