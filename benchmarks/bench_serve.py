@@ -6,7 +6,9 @@ block size 16, 64 blocks); each round sends the same ``--requests`` completions
 (``--concurrency`` at a time, ``--max-tokens`` each, prompts of 8 to 40 words, a third of
 them sharing a prefix) to each server in turn, through the ``openai`` client. Per server:
 generated tokens per second of wall time and the p50/p99 latency of a request, each the
-median over the rounds. Goal: k0 throughput at least 97% of unguarded, p99 at most 1.05x.
+median over the rounds; and, from each guarded server's ``/kvcanary/summary``, the median
+guard and engine time per step (which the machine's load moves far less). Goal: k0
+throughput at least 97% of unguarded, p99 at most 1.05x.
 Needs kvcanary[serve].
 
 Usage: python benchmarks/bench_serve.py [--quick] [--rounds N] [--requests N]
@@ -19,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -26,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from serve_support import Server, build_tiny_model  # noqa: E402
+from serve_support import Server, build_tiny_model, get_json  # noqa: E402
 
 SETUPS = (("unguarded", None), ("k0", "k0"), ("kv-all", "kv-all"))
 WORDS = ["the", "quick", "brown", "fox", "canary", "cache", "block", "server", "hello",
@@ -98,9 +101,13 @@ def main(argv=None) -> int:
             for name, server in servers.items():
                 rounds[name].append(asyncio.run(one_round(server.url, model, texts,
                                                           args.concurrency, args.max_tokens)))
+        # The guard's own share of a step, which the machine's load moves far less.
+        steps = {name: get_json(server.url + "/kvcanary/summary")["guards"][0]
+                 for name, server in servers.items() if name != "unguarded"}
     finally:
         for server in servers.values():
             server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     table = {name: {key: statistics.median(r[key] for r in runs)
                     for key in ("tokens_per_s", "p50", "p99")} for name, runs in rounds.items()}
     base = table["unguarded"]
@@ -112,9 +119,15 @@ def main(argv=None) -> int:
         print(f"| {name} | {row['tokens_per_s']:.1f} | "
               f"{row['tokens_per_s'] / base['tokens_per_s'] * 100:.1f}% | {row['p50']:.2f} | "
               f"{row['p99']:.2f} | {row['p99'] / base['p99']:.2f}x |")
+    print("| server | engine ms/step | guard ms/step | guard / engine step | findings |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, g in steps.items():
+        print(f"| {name} | {g['engine_ms_median']:.1f} | {g['guard_ms_median']:.1f} | "
+              f"{g['guard_ms_median'] / g['engine_ms_median'] * 100:.1f}% | {g['findings']} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "table": table, "rounds": rounds}, f, indent=1)
+            json.dump({"args": vars(args), "table": table, "rounds": rounds, "steps": steps},
+                      f, indent=1)
     return 0
 
 

@@ -205,7 +205,8 @@ def test_each_drill_is_found_at_its_http_request_and_position(drilled):
     assert set(fired) == {d.split("@")[0] for d in DRILLS}, summary(server)["drills"]
     findings = get_json(server.url + "/kvcanary/findings")["findings"]
     for kind, d in fired.items():
-        mine = [f for f in findings if f["http_request_id"] == d["request_id"]]
+        mine = [f for f in findings if f["http_request_id"] == d["request_id"]
+                and f["first_step"] >= d["fired_step"]]
         if kind == "free-held":
             assert any(f["block"] == d["block"] for f in mine), (d, findings[:3])
         elif kind == "remap":
@@ -242,12 +243,14 @@ def test_metrics_findings_and_canary_log_agree(drilled):
 
 # Per drill: what the guard's explanation says, and the causes kvcanary explain may give the
 # same row from the log alone (a record that is another request's is one class of cause).
-CAUSES = {"kv-flip": ("changed after they were written", {"kv-bytes-changed"}),
-          "position-shift": ("shifted by +1", {"write-input"}),
-          "remap": ("remapped", {"record-changed", "overwritten", "position-changed",
-                                 "shifted-mapping"}),
-          "free-held": ("freed", {"record-changed", "overwritten", "position-changed",
-                                  "shifted-mapping"})}
+# A block freed while held and handed back to the same request is told by its facts only
+# (whose record the slot holds); handed to another request, "freed ... then reused".
+CAUSES = {"kv-flip": (("changed after they were written",), {"kv-bytes-changed"}),
+          "position-shift": (("shifted by +1",), {"write-input"}),
+          "remap": (("remapped",), {"record-changed", "overwritten", "position-changed",
+                                    "shifted-mapping"}),
+          "free-held": (("freed", "record of position"), {
+              "record-changed", "overwritten", "position-changed", "shifted-mapping"})}
 
 
 def test_explain_of_the_canary_log_names_the_same_cause(drilled):
@@ -261,7 +264,7 @@ def test_explain_of_the_canary_log_names_the_same_cause(drilled):
     for d in summary(server)["drills"]:
         words, causes = CAUSES[d["kind"]]
         mine = [f for f in findings if f["http_request_id"] == d["request_id"] and
-                f["violation"] and words in f["explanation"]]
+                f["violation"] and any(w in f["explanation"] for w in words)]
         assert mine, (d, [f["explanation"] for f in findings][:5])
         v = mine[0]["violation"]
         row = explained[(v["slot_idx"], v["position"], v["fail_reason"])]
@@ -345,3 +348,17 @@ def test_soak_keeps_the_servers_memory_flat(model_dir, tmp_path):
     print(f"soak: RSS {warm / 2**20:.1f} MiB after {SOAK_WARM}, {end / 2**20:.1f} MiB after "
           f"{SOAK_REQUESTS} ({(end / warm - 1) * 100:+.2f}%)")
     assert end <= warm * 1.05, (warm, end)
+
+
+def test_kvcanary_and_its_cli_import_none_of_the_serving_packages():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvcanary, kvcanary.cli\n"
+            "from click.testing import CliRunner\n"
+            "assert CliRunner().invoke(kvcanary.cli.main, ['serve', '--help']).exit_code == 0\n"
+            "print(sorted({n.split('.')[0] for n in sys.modules} & {'fastapi', 'uvicorn', "
+            "'prometheus_client', 'transformers', 'torch', 'openai', 'starlette'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,8 +1,8 @@
 """Fire drills: one fault injected into continuous batching's own state at a chosen step, so
 that an operator (or a test) can see the guard's alert fire end to end.
 
-A drill is ``KIND@STEP``; from engine step ``STEP`` on (steps counted per cache, from 1), the
-first step with a fitting target gets the fault, once:
+A drill is ``KIND@STEP``; from engine step ``STEP`` on (the guard's step numbers, which its
+findings' ``first_step`` carry too), the first step with a fitting target gets the fault, once:
 
 * ``remap`` -- a decoding request's block-table entry of its last full block is pointed at
   another decoding request's (different) block;
@@ -65,7 +65,6 @@ class DrillSet:
     """The drills of one run; :meth:`install` them before the engine runs."""
 
     drills: list
-    steps: dict = field(default_factory=dict)     # id(cache) -> steps seen
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _original: object = None
 
@@ -104,10 +103,12 @@ class DrillSet:
             self._original = None
 
     def _before(self, io, requests) -> None:
-        if _Hooks.session_of(lambda s: s.cache is io.cache) is None:
-            return
+        session = _Hooks.session_of(lambda s: s.cache is io.cache)
+        if session is None and not _Hooks.active:
+            return                  # no guard: the engine is left alone
+        # The guard's number of the step about to run (its findings carry the same).
+        step = (0 if session is None else session.guard.stats["steps"]) + 1
         with self._lock:
-            step = self.steps[id(io.cache)] = self.steps.get(id(io.cache), 0) + 1
             for d in self.drills:
                 if d.fired_step is None and step >= d.step and _FIRE[d.kind](d, io, requests):
                     d.fired_step = step
