@@ -49,7 +49,7 @@ class Figures(dict):
 
 
 def gpu():
-    from kvcanary.cuda import CudaUnavailable, require_cupy
+    from kvcanary.backends.cuda import CudaUnavailable, require_cupy
 
     try:
         return require_cupy()
@@ -132,7 +132,7 @@ def pool(cp, entries: int, sources=(), mode=kc.RealKvHashMode.NONE):
 
 def raw_verify(ctx, verify_plan):
     """The verify launch without the API's per-call argument checks (host-side work)."""
-    from kvcanary.cuda import launch as L
+    from kvcanary.backends.cuda import launch as L
 
     return lambda: L.verify(ctx, verify_plan, check_expected_token=False)
 
@@ -172,7 +172,7 @@ def bench_realkv(cp, entries, results):
 
 
 def bench_write_decode(cp, results, reqs=256):
-    from kvcanary.cuda import launch as L
+    from kvcanary.backends.cuda import launch as L
 
     ctx, _, table, plan = pool(cp, reqs * LENGTH)
     _, write_plan = plan(LENGTH - 1, 1)

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         return 0
     import kvcanary as kc
     from cupy_stub import World, stub_backend
-    from kvcanary.cuda import launch as backend
+    from kvcanary.backends.cuda import launch as backend
 
     world = World(cupy, num_slots=1 << 20, capacity=256 * 64, bs=256, tokens=256)
     world.context.real_kv_sources = world.context.real_kv_sources[:2]

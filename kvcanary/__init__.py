@@ -4,9 +4,9 @@ A byte-compatible, torch-free implementation of SGLang's KV canary: a numpy refe
 CUDA kernels (compiled at run time through CuPy) behind one API. Importing kvcanary
 imports neither torch nor cupy."""
 
-from .api import PlanReport, VerifyPlanTooSmall, entries_needed, plan, verify, write
-from .attribution import LaunchFinding, MergedFinding, Merger, attribute, merge_findings
-from .consts import (
+from .api.launches import PlanReport, VerifyPlanTooSmall, entries_needed, plan, verify, write
+from .findings.attribution import LaunchFinding, MergedFinding, Merger, attribute, merge_findings
+from .format.consts import (
     CANARY_CHAIN_ANCHOR,
     CANARY_SLOT_BYTES,
     MAX_REAL_KV_SOURCES,
@@ -15,11 +15,11 @@ from .consts import (
     LaunchTag,
     RealKvHashMode,
 )
-from .diagnosis import Diagnosis, diagnose
-from .errors import CanaryError
-from .hashing import CHAIN_HEAD, splitmix64, splitmix64_mix3
-from .types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
-from .violations import Violation
+from .findings.diagnosis import Diagnosis, diagnose
+from .format.errors import CanaryError
+from .format.hashing import CHAIN_HEAD, splitmix64, splitmix64_mix3
+from .model.types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
+from .format.violations import Violation
 
 __version__ = "0.1.0"
 

@@ -72,7 +72,7 @@ def stop(sentence):
 
 
 for name in ("numpy", "click", "pytest", "hypothesis", "kvcanary", "kvcanary.cli",
-             "kvcanary.cuda.launch"):
+             "kvcanary.backends.cuda.launch"):
     try:
         importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001 - any failure is reported as one sentence
@@ -113,7 +113,7 @@ try:
     print("nvrtc", cupy.cuda.nvrtc.getVersion())
 except Exception as exc:  # noqa: BLE001
     stop(f"CuPy finds no NVRTC ({type(exc).__name__}: {str(exc).splitlines()[0]}).")
-from kvcanary.cuda import launch  # noqa: E402
+from kvcanary.backends.cuda import launch  # noqa: E402
 
 for kernel, names in launch.KERNEL_FILES.items():
     for entry in names:

@@ -13,7 +13,7 @@ each run (also on Ctrl-C); kernel builds go to a temporary harness cache.
 
     python scripts/mutation.py                 # every mutant (about an hour on 2 shared cores)
     python scripts/mutation.py --list          # the mutants, without running them
-    python scripts/mutation.py --only kvcanary/hashing.py --only kernels/kvc_plan.cu
+    python scripts/mutation.py --only kvcanary/format/hashing.py --only kernels/kvc_plan.cu
     python scripts/mutation.py --out mutants.jsonl   # one JSON record per mutant
 
 A mutant survives when its tests pass. Survivors that cannot change behaviour are listed in
@@ -78,14 +78,14 @@ class Target:
 
 
 TARGETS = [
-    Target("kvcanary/hashing.py", None, [SURVIVORS, "tests/reference/test_hash_pins.py", *EDGES]),
-    Target("kvcanary/reference/plan.py", None, PLAN_TESTS),
-    Target("kvcanary/reference/verify.py", None, VERIFY_TESTS),
-    Target("kvcanary/reference/write.py", None, WRITE_TESTS),
-    Target("kvcanary/reference/realkv.py", None, [SURVIVORS, "tests/reference/test_realkv.py", *EDGES]),
+    Target("kvcanary/format/hashing.py", None, [SURVIVORS, "tests/format/test_hash_pins.py", *EDGES]),
+    Target("kvcanary/backends/reference/plan.py", None, PLAN_TESTS),
+    Target("kvcanary/backends/reference/verify.py", None, VERIFY_TESTS),
+    Target("kvcanary/backends/reference/write.py", None, WRITE_TESTS),
+    Target("kvcanary/backends/reference/realkv.py", None, [SURVIVORS, "tests/reference/test_realkv.py", *EDGES]),
     Target("kvcanary/audit/launches.py", ("_plan_groups", "_slot_zero_rows"), AUDIT_TESTS),
     Target("kvcanary/audit/matching.py", ("_attribute", "_occurrence", "_match_rows"), AUDIT_TESTS),
-    Target("kvcanary/diagnosis.py", ("failed_checks",), AUDIT_TESTS),
+    Target("kvcanary/findings/diagnosis.py", ("failed_checks",), AUDIT_TESTS),
     Target("kvcanary/dump/check.py", ("_load_swa", "_load_expected", "_load_sweep", "nonnegative"),
            DUMP_TESTS),
     Target("kvcanary/cli/audit.py", ("audit_command",), CLI_TESTS),
@@ -103,9 +103,9 @@ EQUIVALENT: dict[str, str] = {
         "min(num_sources, kMaxSources): both branches give the same value when they are equal",
     "kernels/kvc_plan.cu:30:34:>= -> >":
         "row 0 is never looked up: the padding row has no entries and no seed",
-    "kvcanary/reference/plan.py:33:15:rows >= 0 -> rows > 0":
+    "kvcanary/backends/reference/plan.py:33:15:rows >= 0 -> rows > 0":
         "row 0 is never looked up: the padding row has no entries and no seed",
-    "kvcanary/reference/plan.py:65:16:table_row >= 0 -> table_row > 0":
+    "kvcanary/backends/reference/plan.py:65:16:table_row >= 0 -> table_row > 0":
         "row 0 is never looked up: the padding row has no entries",
     "kernels/kvc_plan.cu:65:8:> -> >=":
         "clamping a length equal to capacity + 1 to capacity + 1 changes nothing",
@@ -115,22 +115,22 @@ EQUIVALENT: dict[str, str] = {
         "an extend of 0 gives a write length of 0 on either branch",
     "kernels/kvc_verify.cu:104:13:<= -> <":
         "with no active entry the loop runs no iteration and the counter adds 0",
-    "kvcanary/reference/verify.py:80:16:slot < 0 -> slot <= 0":
+    "kvcanary/backends/reference/verify.py:80:16:slot < 0 -> slot <= 0":
         "slot 0 is skipped after the range rule: its bits are cleared and it is never hashed",
-    "kvcanary/reference/write.py:60:7:active <= 0 -> active < 0":
+    "kvcanary/backends/reference/write.py:60:7:active <= 0 -> active < 0":
         "with no active request every array below is empty: nothing is written",
-    "kvcanary/reference/write.py:71:18:-1 -> 1":
+    "kvcanary/backends/reference/write.py:71:18:-1 -> 1":
         "the entry key orders rows within one request, and a request outside the token "
         "arrays has just this one row",
-    "kvcanary/reference/write.py:112:22:(seeds >= 0) & (seeds < self.fields.shape[0]) -> "
+    "kvcanary/backends/reference/write.py:112:22:(seeds >= 0) & (seeds < self.fields.shape[0]) -> "
     "(seeds >= 0) | (seeds < self.fields.shape[0])":
         "only picks the exact in-order path more often; both paths agree when a seed is "
         "outside the buffer",
-    "kvcanary/reference/write.py:112:38:seeds < self.fields.shape[0] -> "
+    "kvcanary/backends/reference/write.py:112:38:seeds < self.fields.shape[0] -> "
     "seeds <= self.fields.shape[0]":
         "only picks the exact in-order path more often; both paths agree when a seed is "
         "outside the buffer",
-    "kvcanary/reference/realkv.py:50:7:mode == RealKvHashMode.NONE or not sources -> "
+    "kvcanary/backends/reference/realkv.py:50:7:mode == RealKvHashMode.NONE or not sources -> "
     "mode == RealKvHashMode.NONE and (not sources)":
         "mode NONE folds zero bytes per source (splitmix64(0) is 0) and no source folds "
         "nothing: the result is 0 either way",
@@ -147,7 +147,7 @@ EQUIVALENT: dict[str, str] = {
     "kvcanary/audit.py:375:11:max(n, predicted.shape[0]) + 1 -> max(n, predicted.shape[0]) - 1":
         "the span stays above every occurrence index unless one group holds every row, and "
         "then there is no other group to collide with",
-    "kvcanary/reference/write.py:45:48:-1 -> 1":
+    "kvcanary/backends/reference/write.py:45:48:-1 -> 1":
         "stacking 1-D keys: axis 1 is the last axis",
     "kernels/kvc_write.cu:42:13:> -> >=":
         "clamping an active count equal to the capacity to the capacity changes nothing",

@@ -33,7 +33,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 
 def _no_gpu():
-    from kvcanary.cuda import unavailable_reason
+    from kvcanary.backends.cuda import unavailable_reason
 
     why = unavailable_reason()
     return f"no GPU: {why}" if why else None

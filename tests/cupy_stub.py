@@ -75,8 +75,8 @@ def stub_backend(cupy, run=None):
     device: launches go to ``run(key, name, grid, args)`` (default: dropped), and a device
     allocation raises. Any other device call (a synchronisation, a copy to the host)
     raises too, since there is no device."""
-    from kvcanary import cuda
-    from kvcanary.cuda import launch as L
+    from kvcanary.backends import cuda
+    from kvcanary.backends.cuda import launch as L
 
     launcher = L.Launcher(run or (lambda *args: None), multiprocessor_count=132)
     patches = [(cuda, "require_cupy", lambda: cupy), (L, "_launcher", lambda device_id: launcher),
@@ -211,7 +211,7 @@ def check_mixed_devices(cupy) -> dict:
 
 def check_function_cache(cupy) -> dict:
     """Kernel functions are looked up once per (module variant, entry point)."""
-    from kvcanary.cuda import launch as L
+    from kvcanary.backends.cuda import launch as L
 
     lookups = []
 

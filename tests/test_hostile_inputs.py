@@ -363,7 +363,7 @@ def die_on_bad(task: str) -> str:
 
 
 def test_a_dead_worker_fails_only_the_task_it_held():
-    from kvcanary.interrupt import WorkerPool
+    from kvcanary.system.signals import WorkerPool
 
     tasks = ["a", "b", "bad", "c", "d", "e"]
     with WorkerPool(3) as pool:
@@ -375,7 +375,7 @@ def test_a_dead_worker_fails_only_the_task_it_held():
 PARENT = """
 import os, sys, time
 sys.path.insert(0, {tests!r})
-from kvcanary.interrupt import WorkerPool
+from kvcanary.system.signals import WorkerPool
 from test_hostile_inputs import report_pid
 with WorkerPool(2) as pool:
     list(pool.map(report_pid, [{out!r} + "/a", {out!r} + "/b"]))
@@ -532,8 +532,8 @@ def test_plan_arrays_sharing_memory_are_refused():
 
 HANGUP_DURING_WRITE = """
 import os, signal, sys
-from kvcanary.atomic import replacing
-from kvcanary.interrupt import Interrupted, signals_raise
+from kvcanary.system.atomic import replacing
+from kvcanary.system.signals import Interrupted, signals_raise
 target = sys.argv[1]
 try:
     with signals_raise(), replacing(target) as temporary:
@@ -558,8 +558,8 @@ def test_a_signal_held_during_the_rename_reports_the_output_written(tmp_path, mo
     import signal
     import threading
 
-    from kvcanary import atomic
-    from kvcanary.interrupt import Interrupted, signals_raise
+    from kvcanary.system import atomic
+    from kvcanary.system.signals import Interrupted, signals_raise
 
     real_replace = os.replace
 
@@ -609,7 +609,7 @@ def test_a_huge_launch_tag_gives_a_short_message(tmp_path):
 
 
 def test_more_sources_than_any_variant_get_possible_advice():
-    from kvcanary.types import check_source_count
+    from kvcanary.model.types import check_source_count
 
     with pytest.raises(ValueError) as caught:
         check_source_count(70, 4)

@@ -3,7 +3,7 @@ mutants that survived the rest of the suite."""
 
 import pytest
 
-from kvcanary.hashing import to_signed, to_unsigned
+from kvcanary.format.hashing import to_signed, to_unsigned
 
 
 @pytest.mark.parametrize("bits, value", [
@@ -19,10 +19,11 @@ def test_to_signed_at_the_int64_edges(bits, value):
 import numpy as np  # noqa: E402
 
 import kvcanary as kc  # noqa: E402
+from kvcanary.format import consts  # noqa: E402
 from builders import i64, linear_req_to_token  # noqa: E402
 from kernel_harness.fixtures import cpu_kernels, kernels_behind_numpy  # noqa: E402,F401
 
-MARK = kc.consts.PLAN_SLOT_OUT_OF_TABLE
+MARK = consts.PLAN_SLOT_OUT_OF_TABLE
 
 
 def _plan(rows, prefixes, table, **kwargs):

@@ -13,7 +13,7 @@ Data flows plan -> verify -> violations -> findings:
    ``SLOT_ZERO_IN_PREFIX`` row for every live prefix entry mapped to padding slot 0.
 4. Each row is attributed to the plan entry that produced it (request row and position, or
    sweep entry) and gets the failed checks in words.
-5. Each kept finding gets its :func:`~kvcanary.diagnosis.diagnose`: the cause, from the
+5. Each kept finding gets its :func:`~kvcanary.findings.diagnosis.diagnose`: the cause, from the
    other live entries on its slot and the records its own record continues.
 
 Every row counts: totals, counts by reason, by tag and by request, and the first and last
@@ -39,11 +39,11 @@ from collections import Counter
 
 import numpy as np
 
-from ..backends import resolve_backend
-from ..consts import MAX_REAL_KV_SOURCES
-from ..diagnosis import Diagnosis, likely_cause
+from ..backends.resolve import resolve_backend
+from ..format.consts import MAX_REAL_KV_SOURCES
+from ..findings.diagnosis import Diagnosis, likely_cause
 from ..dump import load
-from ..types import check_source_bound, check_source_count
+from ..model.types import check_source_bound, check_source_count
 from .diagnose import _diagnose
 from .launches import (_Launcher, _live_launches, _live_requests, _slot_zero_rows, _sweep_launches,
                        _verify)

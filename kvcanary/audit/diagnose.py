@@ -1,5 +1,5 @@
 """Step 5 of the audit: a second pass over the live entries feeding each kept finding's
-:func:`~kvcanary.diagnosis.diagnose`."""
+:func:`~kvcanary.findings.diagnosis.diagnose`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import itertools
 
 import numpy as np
 
-from ..diagnosis import diagnose
+from ..findings.diagnosis import diagnose
 from ..dump import Dump
-from ..evidence import Evidence, record_links
-from ..rules import canary_fields
+from ..findings.evidence import Evidence, record_links
+from ..format.rules import canary_fields
 from .launches import _Launcher, _live_launches, _LiveRequests, _sweep_launches
 from .result import CHUNK_ENTRIES
 from .tally import _block_of, _Tally
@@ -49,7 +49,7 @@ class _DumpTables:
 
 def _diagnose(tally: _Tally, d: Dump, launcher: _Launcher, live: _LiveRequests,
               chunk: int) -> tuple:
-    """Every kept finding with its :func:`~kvcanary.diagnosis.diagnose`; returns
+    """Every kept finding with its :func:`~kvcanary.findings.diagnosis.diagnose`; returns
     ``(findings, zero records among the live entries)``.
 
     The other users of a finding's slot and the records its stored link continues may sit

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import api
-from ..consts import EXPECTED_TOKEN_UNKNOWN, FailReason, LaunchTag
+from ..api import launches as api
+from ..format.consts import EXPECTED_TOKEN_UNKNOWN, FailReason, LaunchTag
 from ..dump import Dump
-from ..reference.plan import verify_entries
-from ..rules import violation_rows, window_start
-from ..types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan, to_host
+from ..backends.reference.plan import verify_entries
+from ..format.rules import violation_rows, window_start
+from ..model.types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan, to_host
 from .result import AuditError
 
 

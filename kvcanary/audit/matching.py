@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..consts import EXPECTED_TOKEN_UNKNOWN, FailReason
-from ..reference.verify import entry_rows
-from ..rules import violation_rows
+from ..format.consts import EXPECTED_TOKEN_UNKNOWN, FailReason
+from ..backends.reference.verify import entry_rows
+from ..format.rules import violation_rows
 from .launches import _Launch, _Launcher
 
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..diagnosis import Diagnosis
-from ..errors import ToolError
-from ..evidence import Entry
-from ..violations import Violation
+from ..findings.diagnosis import Diagnosis
+from ..format.errors import ToolError
+from ..findings.evidence import Entry
+from ..format.violations import Violation
 
 # Plan entries per verify launch: bounds the plan and ring memory of one chunk.
 CHUNK_ENTRIES = 1 << 16

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..diagnosis import failed_checks
+from ..findings.diagnosis import failed_checks
 from ..dump import Dump
-from ..violations import Violation, reason_labels, tag_name
+from ..format.violations import Violation, reason_labels, tag_name
 from .launches import _Launch
 from .result import AuditResult, Finding, RequestSummary
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..consts import REAL_KV_PARTIAL_READ_BYTES
+from ..format.consts import REAL_KV_PARTIAL_READ_BYTES
 from ..synth import MODES, TARGET_CLASSES, fault_kinds
 from ..synth.fault_kinds import BLOCK_KINDS, PAIR_KINDS, PAIR_SHAPES, PAIRS_NOT_UNION, kind_targets
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..errors import ToolError
+from ..format.errors import ToolError
 from ..synth import MODES
 from .layouts import LAYOUTS, RULES, designed
 

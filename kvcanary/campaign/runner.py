@@ -15,11 +15,11 @@ from collections import Counter
 import numpy as np
 
 from ..audit import audit
-from ..backends import cupy_unavailable, resolve_backend
-from ..interrupt import WorkerPool
+from ..backends.resolve import cupy_unavailable, resolve_backend
+from ..system.signals import WorkerPool
 from ..synth import MODES, SynthConfig, SynthError, Synthesis, faults_from_dump, score
 from ..synth.fault_kinds import PAIR_SHAPES
-from ..violations import reason_labels
+from ..format.violations import reason_labels
 from .layouts import LAYOUTS, RULES, audit_command, designed, fault_scope, synth_command
 from .model import CLEAN_RUN_ATTEMPTS, MAX_REPORTED, CampaignError, CampaignReport, Cell
 

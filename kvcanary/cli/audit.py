@@ -11,8 +11,8 @@ import click
 
 from kvcanary import MAX_REAL_KV_SOURCES, MAX_REAL_KV_SOURCES_LIMIT
 from kvcanary.audit import DEFAULT_MAX_FINDINGS
-from kvcanary.backends import BACKENDS
-from kvcanary.interrupt import signals_held
+from kvcanary.backends.resolve import BACKENDS
+from kvcanary.system.signals import signals_held
 
 from .common import (
     ERROR_PREFIX,
@@ -270,7 +270,7 @@ def _audit_all(paths: list, options: dict, jobs, html: bool = False):
         finally:
             progress.close()
         return
-    from kvcanary.interrupt import WorkerPool
+    from kvcanary.system.signals import WorkerPool
 
     def failed(path, exc):   # a worker that died (e.g. out of memory)
         return "error", f"{path}: the audit process failed ({error_message(exc)})"

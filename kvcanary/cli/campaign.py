@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from kvcanary.backends import BACKENDS
+from kvcanary.backends.resolve import BACKENDS
 from kvcanary.campaign import DEFAULT_CLEAN_RUNS, DEFAULT_FAULTS_PER_KIND
 
 from .common import EXIT_CLEAN, EXIT_VIOLATIONS, JOBS_RANGE, SEED_RANGE, Progress, error_boundary, fail
@@ -48,7 +48,7 @@ def campaign_command(faults_per_kind, clean_runs, seed, backend, fmt, out, jobs,
     Exit 0 when every fault the canary is designed to see was detected and no clean audit
     had a violation, 1 when a target was missed (each miss comes with the commands that
     reproduce it), 2 on bad input."""
-    from kvcanary.atomic import replacing
+    from kvcanary.system.atomic import replacing
     from kvcanary.campaign import render, run_campaign
 
     if out:   # fail before the campaign, not after it

@@ -7,9 +7,9 @@ import sys
 
 import click
 
-from kvcanary.backends import BACKENDS
+from kvcanary.backends.resolve import BACKENDS
 from kvcanary.synth import MODES
-from kvcanary.violations import reason_labels
+from kvcanary.format.violations import reason_labels
 
 from .common import (EXIT_CLEAN, EXIT_ERROR, EXIT_VIOLATIONS, SEED_RANGE, Progress,
                      error_boundary, fail)
@@ -38,7 +38,7 @@ def demo_command(mode, backend, seed, keep, force, compat, engine):
     when the clean run has no finding and the injected fault is found at its request."""
     if engine is not None:
         _engine_demo(engine, seed)
-    from kvcanary.demo import DEMO_CONFIG, KEPT_DUMPS, group_notes, run_demo
+    from kvcanary.tools.demo import DEMO_CONFIG, KEPT_DUMPS, group_notes, run_demo
 
     for name in KEPT_DUMPS if keep and not force else ():
         if os.path.lexists(os.path.join(keep, name)):
@@ -103,7 +103,7 @@ def demo_command(mode, backend, seed, keep, force, compat, engine):
 
 
 def _engine_demo(engine: str, seed: int) -> None:
-    from kvcanary.demo import run_engine_demo
+    from kvcanary.tools.demo import run_engine_demo
 
     try:
         report = run_engine_demo(engine, seed=seed)

@@ -138,7 +138,7 @@ def explain_command(logs, fmt, max_findings, html):
     that report one corruption and explain it.
 
     Exit 0: no violation rows; 1: violations; 2: an input could not be read."""
-    from kvcanary.explain import MAX_LINE, Explanation
+    from kvcanary.audit.explain import MAX_LINE, Explanation
 
     if html:   # before any work: a missing extra is one error line, exit 2
         from kvcanary.report.render import require_renderer

@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from kvcanary.interrupt import Interrupted, signals_raise
+from kvcanary.system.signals import Interrupted, signals_raise
 
 
 class Activity:

@@ -39,7 +39,7 @@ def main() -> None:
 @main.command()
 def info() -> None:
     """Version, hash scheme, default bound and where the kernel sources are."""
-    from kvcanary.info import environment_report
+    from kvcanary.tools.info import environment_report
 
     for key, value in environment_report().items():
         click.echo(f"{key + ':':<22}{value}")

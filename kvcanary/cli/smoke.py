@@ -1,4 +1,4 @@
-"""``kvcanary smoke``: the GPU smoke test (the work lives in ``kvcanary.smoke``)."""
+"""``kvcanary smoke``: the GPU smoke test (the work lives in ``kvcanary.tools.smoke``)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def smoke(max_real_kv_sources: int) -> None:
     """Compile the CUDA kernels, run a synthetic batch on the GPU and with numpy, compare
     bytes and check injected faults are reported. Exit 0 on success, 1 on a mismatch or a
     missed fault, 2 when no GPU or cupy is available."""
-    from kvcanary.cuda import CudaUnavailable
-    from kvcanary.smoke import run_smoke
+    from kvcanary.backends.cuda import CudaUnavailable
+    from kvcanary.tools.smoke import run_smoke
 
     try:
         report = run_smoke(max_real_kv_sources)

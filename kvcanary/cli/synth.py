@@ -8,7 +8,7 @@ from collections import Counter
 import click
 
 from kvcanary.audit import DEFAULT_MAX_FINDINGS
-from kvcanary.backends import LIBRARIES
+from kvcanary.backends.resolve import LIBRARIES
 from kvcanary.synth import MODES
 
 from .common import SEED_RANGE, Progress, error_boundary, fail
@@ -115,7 +115,7 @@ def synth_command(out, mode, backend, inject, max_listed, force, **values):
         container = dump.container_for(out)   # fails before the run: bad suffix, no package
         check_out(out, force)
         if backend == "cupy":
-            from kvcanary.cuda import require_cupy
+            from kvcanary.backends.cuda import require_cupy
 
             require_cupy()   # a clear error when cupy or a device is missing
         faults = parse_inject(inject, config)

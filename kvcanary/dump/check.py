@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..consts import LaunchTag, RealKvHashMode
+from ..format.consts import LaunchTag, RealKvHashMode
 from .model import (DUMP_VERSION, KNOWN_KEYS, REAL_KV_PREFIX, REQUIRED_KEYS, VERSION_KEY, Dump,
                     DumpError, widen)
 from .read import read_raw
@@ -211,7 +211,7 @@ def _load_slot_table(c: _Checker) -> tuple:
 
 
 def _load_real_kv(c: _Checker, dump: Dump) -> None:
-    from ..types import RealKvSource
+    from ..model.types import RealKvSource
 
     source_keys = sorted(k for k in c.values if k.startswith("real_kv_")
                          and k[len("real_kv_"):].isdigit())

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..consts import LaunchTag, RealKvHashMode
-from ..errors import ToolError
+from ..format.consts import LaunchTag, RealKvHashMode
+from ..format.errors import ToolError
 
 
 DUMP_VERSION = 1

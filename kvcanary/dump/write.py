@@ -9,8 +9,8 @@ import stat
 
 import numpy as np
 
-from ..arrays import as_array
-from ..atomic import replacing
+from ..model.arrays import as_array
+from ..system.atomic import replacing
 from .check import validate
 from .model import DUMP_VERSION, VERSION_KEY, DumpError, check_key_names, flavour_of, widen
 from .read import reason_of, require_safetensors, shown_name

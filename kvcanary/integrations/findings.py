@@ -2,7 +2,7 @@
 
 Which plan entry (request, position) a verify row belongs to, also when several requests read
 one slot, comes from :func:`kvcanary.attribute`, and its diagnosis from
-:mod:`kvcanary.diagnosis`; :class:`kvcanary.Merger` folds the sightings of every step into
+:mod:`kvcanary.findings.diagnosis`; :class:`kvcanary.Merger` folds the sightings of every step into
 findings. What this module adds is what only the engine knows (it imports neither torch nor
 any engine):
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..attribution import MergedFinding
-from ..consts import FailReason
-from ..diagnosis import Diagnosis
-from ..violations import Violation, reason_labels
+from ..findings.attribution import MergedFinding
+from ..format.consts import FailReason
+from ..findings.diagnosis import Diagnosis
+from ..format.violations import Violation, reason_labels
 
 READ_INDEX_MISMATCH = "read_index_mismatch"
 WRITE_INDEX_MISMATCH = "write_index_mismatch"

@@ -20,8 +20,8 @@ import base64
 
 import numpy as np
 
-from ..consts import FailReason
-from ..violations import reason_label
+from ..format.consts import FailReason
+from ..format.violations import reason_label
 
 # Most telling first: where a row has several bits, its colour is the first one set.
 REASON_ORDER = (FailReason.SLOT_OUT_OF_RANGE, FailReason.SLOT_ZERO_IN_PREFIX,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from ..atomic import replacing
+from ..system.atomic import replacing
 
 # Findings-table columns, in order, for the keys a finding has (label, key); -1 in the index
 # columns means "not applicable" (a sweep entry has no request row).

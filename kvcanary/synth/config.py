@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..consts import RealKvHashMode
-from ..errors import ToolError
+from ..format.consts import RealKvHashMode
+from ..format.errors import ToolError
 
 MODES = ("none", "partial", "all")
 # Seeds are recorded in int64 dump keys (synth_config) and feed numpy's SeedSequence.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
+from ..format.consts import REAL_KV_PARTIAL_READ_BYTES, FailReason, RealKvHashMode
 from .config import SynthError
 
 FAULT_DESCRIPTIONS = {

@@ -18,8 +18,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .. import api
-from ..types import WritePlan
+from ..api import launches as api
+from ..model.types import WritePlan
 from .config import SynthError
 from .fault_kinds import (BLOCK_KINDS, DEFAULT_TARGET, PAIR_SHAPES, REQUEST, SWEEP, Fault, Site,
                           check_kind_target, real_kv_byte_note, real_kv_byte_visible,

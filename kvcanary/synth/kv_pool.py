@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import api
-from ..consts import CANARY_SLOT_BYTES, LaunchTag
-from ..hashing import splitmix64_inplace, splitmix64_mix3
-from ..types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
+from ..api import launches as api
+from ..format.consts import CANARY_SLOT_BYTES, LaunchTag
+from ..format.hashing import splitmix64_inplace, splitmix64_mix3
+from ..model.types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
 from .config import SOURCE_DTYPES, Stats, SynthConfig, SynthError
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

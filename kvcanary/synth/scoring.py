@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..consts import FailReason, RealKvHashMode
+from ..format.consts import FailReason, RealKvHashMode
 from .fault_kinds import (DEFAULT_TARGET, FAULT_KINDS, REQUEST, SWEEP, Fault, Site,
                           real_kv_byte_note)
 

@@ -49,7 +49,7 @@ def test_cupy_backend_without_gpu_raises_clearly():
             pytest.skip("a CUDA device is present")
     except Exception:
         pass
-    from kvcanary.cuda import CudaUnavailable
+    from kvcanary.backends.cuda import CudaUnavailable
 
     ctx = make_context()
     with pytest.raises((CudaUnavailable, ValueError)) as info:

@@ -10,7 +10,9 @@ import inspect
 import pytest
 
 import kvcanary
-from kvcanary import api, hashing, rules, types
+from kvcanary.api import launches as api
+from kvcanary.format import hashing, rules
+from kvcanary.model import types
 
 LAUNCHES = ("plan", "write", "verify")
 TYPES = ("CanaryContext", "VerifyPlan", "WritePlan", "ViolationLog", "RealKvSource")

@@ -130,7 +130,7 @@ def test_four_sources_pass_at_default_bound():
 
 @pytest.mark.parametrize("launch", ["verify", "write"])
 def test_a_launch_checks_the_source_count_once(launch, monkeypatch):
-    from kvcanary import types as T
+    from kvcanary.model import types as T
 
     calls = []
     monkeypatch.setattr(T, "check_source_count", lambda *a, **k: calls.append(a))
@@ -145,7 +145,7 @@ def test_a_launch_checks_the_source_count_once(launch, monkeypatch):
 
 def test_context_arrays_are_listed_once():
     """The disjointness check and the library come from the one list of a context's arrays."""
-    from kvcanary.arrays import context_arrays
+    from kvcanary.model.arrays import context_arrays
 
     ctx = make_context(sources=make_sources(1, 32))
     names = list(context_arrays(ctx))
@@ -313,7 +313,7 @@ def test_error_names_the_array():
     with pytest.raises(kc.CanaryError) as caught:
         kc.VerifyPlan.allocate(0)
     assert caught.value.key == "verify_capacity"
-    from kvcanary.arrays import check_int64
+    from kvcanary.model.arrays import check_int64
 
     with pytest.raises(TypeError) as wrong_kind:   # still a TypeError where it was one
         check_int64("3", "block_size")
@@ -334,7 +334,7 @@ def test_error_survives_pickling():
 
 def test_tool_errors_have_no_prefix():
     from kvcanary.dump import DumpError
-    from kvcanary.explain import ExplainError
+    from kvcanary.audit.explain import ExplainError
 
     for cls in (DumpError, ExplainError):
         err = cls("run.npz: key seq_lens: missing")
@@ -344,7 +344,7 @@ def test_tool_errors_have_no_prefix():
 
 def test_cli_prints_the_detail():
     from kvcanary.cli.common import user_error
-    from kvcanary.cuda import CudaUnavailable
+    from kvcanary.backends.cuda import CudaUnavailable
 
     assert user_error(kc.CanaryError("bs=9 exceeds write_req_capacity=8")) == \
         "bs=9 exceeds write_req_capacity=8"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import arrays as A
+from kvcanary.model import arrays as A
 from kvcanary.dump import DumpError, load, save
 
 

@@ -105,7 +105,7 @@ def test_unchanged_repeat_still_launches():
 def test_unchanged_repeat_checks_only_the_step_arrays(monkeypatch):
     # What makes a decode-step call cheap: the plan's and context's arrays, unchanged since
     # they passed, are not checked again; the step's own token arrays always are.
-    from kvcanary import arrays as A
+    from kvcanary.model import arrays as A
 
     ctx, verify_plan, write_plan = objects()
     launch("write", ctx, verify_plan, write_plan)

@@ -8,8 +8,8 @@ import pytest
 
 import kvcanary as kc
 from kvcanary.audit import AuditError, audit, likely_cause
-from kvcanary.backends import cupy_unavailable
-from kvcanary.consts import PLAN_SLOT_OUT_OF_TABLE, FailReason
+from kvcanary.backends.resolve import cupy_unavailable
+from kvcanary.format.consts import PLAN_SLOT_OUT_OF_TABLE, FailReason
 from kvcanary.dump import load, save
 
 TOKENS = {1: [11, 12, 13, 14, 15, 16], 2: [11, 12, 13, 24, 25], 3: [31, 32, 33, 34]}

@@ -203,7 +203,7 @@ def test_log_line_without_attribution_is_the_frozen_line():
 
 
 def test_diagnosis_without_evidence_says_when_it_is_ambiguous():
-    from kvcanary.diagnosis import Entry, diagnose
+    from kvcanary.findings.diagnosis import Entry, diagnose
 
     v = kc.Violation(2, 5, 7, 3, -1, 11, 12, int(kc.FailReason.VERIFY_POSITION_MISMATCH
                                                   | kc.FailReason.VERIFY_CHAIN_HASH_MISMATCH))
@@ -286,7 +286,7 @@ def test_engine_rows_on_a_slot_two_requests_share_go_to_both_requests():
 
 
 def test_a_write_row_at_a_known_position_says_which_input_is_off():
-    from kvcanary.diagnosis import Entry, diagnose
+    from kvcanary.findings.diagnosis import Entry, diagnose
 
     position_bit = int(kc.FailReason.WRITE_POSITION_MISMATCH)
     off = kc.Violation(2, 9, 39, 5, 5, 0, 38, position_bit)     # position id 39 at position 38

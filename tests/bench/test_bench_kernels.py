@@ -29,7 +29,7 @@ def test_cpu_kernel_benchmark_quick(capsys):
 def test_gpu_benchmark_without_gpu_says_so(capsys):
     bench = _load("bench_gpu")
     try:
-        from kvcanary.cuda import require_cupy
+        from kvcanary.backends.cuda import require_cupy
 
         require_cupy()
         pytest.skip("a CUDA device is visible; this checks the no-GPU path")

@@ -26,7 +26,7 @@ from kvcanary.campaign import (
 )
 from kvcanary.campaign import runner
 from kvcanary.cli.main import main
-from kvcanary.consts import FailReason
+from kvcanary.format.consts import FailReason
 from kvcanary.dump import load
 from kvcanary.synth import MODES, TARGET_CLASSES, faults_from_dump
 
@@ -222,7 +222,7 @@ def test_library_rejects_bad_options():
 
 
 def test_cupy_backend_without_a_device_is_exit_2():
-    from kvcanary.cuda import CudaUnavailable, require_cupy
+    from kvcanary.backends.cuda import CudaUnavailable, require_cupy
 
     try:
         require_cupy()

@@ -21,7 +21,7 @@ from kvcanary.campaign import (
     synth_command,
 )
 from kvcanary.cli.main import main
-from kvcanary.consts import FailReason
+from kvcanary.format.consts import FailReason
 from kvcanary.dump import load
 from kvcanary.synth import PAGED_FAULT_KINDS, faults_from_dump
 from kvcanary.synth.fault_kinds import default_target

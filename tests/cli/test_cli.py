@@ -195,7 +195,7 @@ def test_usage_errors_exit_2(tmp_path):
     assert result.exit_code == 2
     result = invoke("audit", synth(tmp_path), "--backend", "cupy")
     try:
-        from kvcanary.cuda import require_cupy
+        from kvcanary.backends.cuda import require_cupy
 
         require_cupy()
     except Exception:
@@ -348,7 +348,7 @@ def test_synth_lists_a_bounded_number_of_injected_faults(tmp_path):
 
 def test_several_dumps_are_audited_in_this_process_by_default(tmp_path, monkeypatch):
     # The default was chosen by measurement (benchmarks/README.md): -j 2 was slower.
-    from kvcanary import interrupt
+    from kvcanary.system import signals as interrupt
 
     pools = []
     real = interrupt.WorkerPool

@@ -6,7 +6,7 @@ import types
 from collections import namedtuple
 
 
-from kvcanary import info
+from kvcanary.tools import info
 
 LoadedDL = namedtuple("LoadedDL", "abs_path found_via")
 

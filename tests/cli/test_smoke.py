@@ -6,12 +6,12 @@ from click.testing import CliRunner
 
 from kvcanary.cli.main import main
 from kernel_harness import CpuKernels
-from kvcanary.smoke import FAULTS, run_smoke
+from kvcanary.tools.smoke import FAULTS, run_smoke
 
 
 def _gpu_visible() -> bool:
     try:
-        from kvcanary.cuda import require_cupy
+        from kvcanary.backends.cuda import require_cupy
 
         require_cupy()
         return True
@@ -53,7 +53,7 @@ class _VerifyForgetsRealKv(CpuKernels):
     def verify(self, context, plan, *, check_expected_token):
         import copy
 
-        from kvcanary.consts import RealKvHashMode
+        from kvcanary.format.consts import RealKvHashMode
 
         blind = copy.copy(context)
         blind.real_kv_hash_mode = RealKvHashMode.NONE

@@ -462,7 +462,7 @@ def test_demo_engine_transformers_finds_the_injected_fault():
 
 
 def test_demo_engine_without_transformers_is_exit_2(monkeypatch):
-    import kvcanary.demo as demo
+    import kvcanary.tools.demo as demo
 
     def missing(*args, **kwargs):
         raise ImportError("No module named 'torch'")

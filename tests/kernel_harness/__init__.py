@@ -1,7 +1,7 @@
 """Run the CUDA kernel sources on the CPU: g++ compiles kernels/*.cu against a small
 shim of CUDA's built-ins (cuda_shim.h) into a shared library, and ctypes launches the
 grid sequentially, its threads in forward, reverse or shuffled order. The launch sequence
-and argument lists are kvcanary's own (``kvcanary.cuda.launch.Launcher``), so the tests
+and argument lists are kvcanary's own (``kvcanary.backends.cuda.launch.Launcher``), so the tests
 exercise them too.
 
 Libraries are cached by a hash of every source and flag, under ``$KVCANARY_HARNESS_CACHE`` or
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcanary.cuda import launch as L
-from kvcanary.kernel_source import kernel_dir
+from kvcanary.backends.cuda import launch as L
+from kvcanary.backends.kernel_source import kernel_dir
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_FLAGS = ("-O2",)
@@ -157,7 +157,7 @@ class CpuKernels:
 def numpy_runs(backend):
     """Within the block, kvcanary's numpy dispatch runs ``backend`` instead of the
     reference, after the API's full argument validation."""
-    from kvcanary import api
+    from kvcanary.api import launches as api
 
     original = api._backend_module
 
@@ -265,7 +265,7 @@ class Differential:
     result that depends on thread order fails. (A GPU picks its own order.)"""
 
     def __init__(self, kernels):
-        from kvcanary import reference
+        from kvcanary.backends import reference
 
         self.kernels = kernels
         self.reference = reference.BACKEND

@@ -13,7 +13,7 @@ class GpuKernels:
     device and changed ones come back, through kvcanary's own ``backend="cupy"`` path."""
 
     def _launch(self, name, kwargs):
-        from kvcanary import api
+        from kvcanary.api import launches as api
 
         api._run("cupy", "numpy", name, kwargs)
 
@@ -30,7 +30,7 @@ class GpuKernels:
 
 def require_gpu():
     """cupy with a visible device, or skip with the reason kvcanary gives."""
-    from kvcanary.cuda import CudaUnavailable, require_cupy
+    from kvcanary.backends.cuda import CudaUnavailable, require_cupy
 
     try:
         return require_cupy()

@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from kvcanary import cuda
-from kvcanary.cuda import launch as L
-from kvcanary.info import environment_report
+from kvcanary.backends import cuda
+from kvcanary.backends.cuda import launch as L
+from kvcanary.tools.info import environment_report
 
 
 def test_variant_names():
@@ -85,7 +85,7 @@ def test_packing_the_sources_does_not_check_their_count_again(monkeypatch):
     import numpy as np
 
     import kvcanary as kc
-    from kvcanary import types as T
+    from kvcanary.model import types as T
 
     calls = []
     counter = lambda *a, **k: calls.append(a)  # noqa: E731

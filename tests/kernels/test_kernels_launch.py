@@ -8,7 +8,7 @@ import pytest
 import kvcanary as kc
 from builders import make_context, make_sources, make_verify_plan
 from kernel_harness import CpuKernels, load
-from kvcanary.cuda import launch as L
+from kvcanary.backends.cuda import launch as L
 
 
 @pytest.mark.needs_compiler
@@ -101,7 +101,7 @@ def test_argument_lists_use_fixed_width_scalars():
 
 
 def test_cuda_backend_reports_no_device_here():
-    from kvcanary import cuda
+    from kvcanary.backends import cuda
 
     try:
         import cupy

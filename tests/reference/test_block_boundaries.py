@@ -10,8 +10,8 @@ import pytest
 
 import kvcanary as kc
 from builders import i64, make_context, make_sources, make_verify_plan, ring_rows, source_slot_bytes, write_tokens
-from kvcanary import hashing
-from kvcanary.reference import realkv
+from kvcanary.format import hashing
+from kvcanary.backends.reference import realkv
 from oracle import mix3, real_kv
 
 F = kc.FailReason

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from kvcanary.audit import audit
-from kvcanary.consts import FailReason
+from kvcanary.format.consts import FailReason
 from kvcanary.dump import load, save
-from kvcanary.hashing import CHAIN_HEAD, link, to_signed
+from kvcanary.format.hashing import CHAIN_HEAD, link, to_signed
 
 # batch index -> (request row, slots); row 0 is padding, row 4 has an empty prefix
 BATCH = [(3, [40, 41, 42, 43]), (1, [10, 11, 12, 13, 14]), (0, []), (4, []),

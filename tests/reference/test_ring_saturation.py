@@ -5,10 +5,11 @@ CUDA kernels compiled for the CPU, byte-compared launch by launch."""
 import pytest
 
 import kvcanary as kc
+from kvcanary.format import consts
 from builders import i64, make_context, make_verify_plan, make_write_plan
 from kernel_harness.fixtures import cpu_kernels, kernels_behind_numpy  # noqa: F401
 
-TOP = kc.consts.VIOLATION_WRITE_INDEX_MAX
+TOP = consts.VIOLATION_WRITE_INDEX_MAX
 
 
 def near_the_top(start: int):

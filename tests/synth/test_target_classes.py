@@ -13,7 +13,7 @@ import pytest
 from kvcanary import campaign
 from kvcanary.campaign import layouts, runner
 from kvcanary.audit import audit
-from kvcanary.consts import FailReason
+from kvcanary.format.consts import FailReason
 from kvcanary.dump import load, save
 from kvcanary.synth.fault_kinds import PAIR_SHAPES
 from kvcanary.synth import (
@@ -230,7 +230,7 @@ def test_interacting_pairs_are_scored_at_their_own_sites(tmp_path):
 def test_two_neighbouring_lost_writes_keep_a_consistent_chain(tmp_path):
     """Why lost-write + lost-write is not paired: link(0, 0, 0) is 0, so the second zeroed
     record's chain link matches its zeroed predecessor; only its position check fires."""
-    from kvcanary.hashing import link_inplace
+    from kvcanary.format.hashing import link_inplace
 
     zero = np.zeros(1, dtype=np.uint64)
     assert int(link_inplace(zero.copy(), zero.copy(), zero.copy())[0]) == 0

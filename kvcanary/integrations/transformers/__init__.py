@@ -38,10 +38,10 @@ from collections import deque
 
 import numpy as np
 
-from ...attribution import Merger
-from ...consts import RealKvHashMode
+from ...findings.attribution import Merger
+from ...format.consts import RealKvHashMode
 from ...dump import save as save_dump
-from ...violations import Violation
+from ...format.violations import Violation
 from ..findings import Finding, Sighting
 from .hooks import SUPPORTED_RANGE, SUPPORTED_VERSIONS, GuardError, _Hooks, supported_version
 from .manager import RAW_ROWS_KEPT, STEP_TIMES_KEPT

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ... import api
-from ...attribution import LaunchFinding, attribute
-from ...consts import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, LaunchTag, RealKvHashMode
-from ...diagnosis import Entry, diagnose, failed_checks
-from ...types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan, to_host
-from ...violations import Violation
+from ...api import launches as api
+from ...findings.attribution import LaunchFinding, attribute
+from ...format.consts import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, LaunchTag, RealKvHashMode
+from ...findings.diagnosis import Entry, diagnose, failed_checks
+from ...model.types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan, to_host
+from ...format.violations import Violation
 from ..findings import (
     READ_INDEX_MISMATCH,
     WRITE_INDEX_MISMATCH,

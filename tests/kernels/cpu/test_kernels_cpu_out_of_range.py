@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
+from kvcanary.format import consts
 from builders import (H0, counters, i64, linear_req_to_token, make_context, make_sources,
                       make_verify_plan, make_write_plan, ring_rows, stamp)
 from kernel_harness import CpuKernels, numpy_runs
 from kernel_harness.fixtures import cpu_kernels, kernels_behind_numpy  # noqa: F401
 
 OOR = int(kc.FailReason.SLOT_OUT_OF_RANGE)
-MARK = kc.consts.PLAN_SLOT_OUT_OF_TABLE if hasattr(kc, "consts") else (1 << 63) - 1
+MARK = consts.PLAN_SLOT_OUT_OF_TABLE
 POSITION = int(kc.FailReason.VERIFY_POSITION_MISMATCH)
 W_POSITION = int(kc.FailReason.WRITE_POSITION_MISMATCH)
 

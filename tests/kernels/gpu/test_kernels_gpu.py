@@ -110,7 +110,7 @@ def test_out_of_range_indices_on_gpu(gpu_kernels):  # noqa: F811
 
 def test_modules_are_cached_per_bound_and_variant():
     require_gpu()
-    from kvcanary.cuda import launch as L
+    from kvcanary.backends.cuda import launch as L
 
     assert L.module("verify", 4, True) is L.module("verify", 4, True)
     assert L.module("verify", 4, True) is not L.module("verify", 4, False)

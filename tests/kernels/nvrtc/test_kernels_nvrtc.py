@@ -7,7 +7,7 @@ where cuda-core is missing or NVRTC cannot compile (``needs_nvrtc``)."""
 
 import pytest
 
-from kvcanary.cuda import launch as L
+from kvcanary.backends.cuda import launch as L
 
 pytestmark = pytest.mark.needs_nvrtc
 

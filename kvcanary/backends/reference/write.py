@@ -1,0 +1,235 @@
+"""Write (docs/format.md §8): stamp each new token's record and advance its request's chain.
+
+Per request, the rules:
+  seed link      H0 without a seed (seed < 0), else link(seed record)
+  skip           out_cache_loc < 0: no store, no chain advance, not counted
+  input assert   token / position against the expected inputs (when given)
+  position chain with a seed and the flag set: each position is the previous + 1
+  store          (token, position, running hash, real-KV hash); then the running hash
+                 advances over the actual token and position
+  out of range   kvcanary extension: a slot or seed outside the buffer, or a request whose
+                 range leaves the token arrays, is reported as SLOT_OUT_OF_RANGE, never touched;
+                 so is a slot outside a real-KV source, stored with real-KV hash 0
+  conflict       when writes of one launch share a slot, the last one in (request, entry)
+                 order keeps it; kvcanary extension: every other is a WRITE_SLOT_CONFLICT row,
+                 except on padding slot 0 (padded tokens all write there) and with the
+                 context's extensions off
+
+Order-free: every seed is read before any record of the launch is stored, so the result
+never depends on which request runs first. The chain is serial within a request; the loop
+runs over token index, vectorised across requests. Violation rows are appended in
+upstream's order: request, entry, then rule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...format.consts import TOKEN_TO_KV_SLOT_PADDING, FailReason
+from ...format.hashing import CHAIN_HEAD, mix3_inplace
+from ...format.rules import violation_rows
+from .realkv import outside_sources, real_kv_hash
+from .ring import canary_fields, commit_rows
+
+_OUT_OF_RANGE = int(FailReason.SLOT_OUT_OF_RANGE)
+_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
+_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
+_CONFLICT = int(FailReason.WRITE_SLOT_CONFLICT)
+
+# Row order inside one request: its range or seed problems first, then per entry the
+# input assert, the chain-position assert, the out-of-range slot and the slot conflict.
+_RULE_RANGE, _RULE_SEED, _RULE_INPUT, _RULE_CHAIN_POSITION, _RULE_SLOT, _RULE_CONFLICT = range(6)
+
+
+class _Rows:
+    """Violation rows with their (request, entry, rule) sort key."""
+
+    def __init__(self):
+        self.keys, self.rows = [], []
+
+    def add(self, request, entry, rule, rows):
+        if rows.shape[0]:
+            key = np.broadcast_arrays(np.asarray(request, np.int64), np.asarray(entry, np.int64),
+                                      np.full(rows.shape[0], rule, np.int64))
+            self.keys.append(np.stack(key, axis=-1).reshape(-1, 3))
+            self.rows.append(rows)
+
+    def ordered(self) -> np.ndarray:
+        if not self.rows:
+            return np.zeros((0, 8), dtype=np.int64)
+        keys = np.concatenate(self.keys)
+        order = np.lexsort((keys[:, 2], keys[:, 1], keys[:, 0]))
+        return np.concatenate(self.rows)[order]
+
+
+def write_reference(context, plan, *, input_ids, positions, out_cache_loc,
+                    expected_input_tokens=None, expected_input_positions=None) -> None:
+    context.kernel_run_counter[0] += 1
+    active = max(0, min(int(plan.write_num_valid_reqs[0]), plan.write_req_capacity))
+    if active <= 0 or int(plan.write_offsets[active]) <= 0:
+        return
+
+    kind = context.kernel_kind
+    rows = _Rows()
+    starts = plan.write_offsets[:active]
+    ends = plan.write_offsets[1:active + 1]
+    requests = np.flatnonzero(ends > starts)
+    num_tokens = input_ids.shape[0]
+    outside = (starts[requests] < 0) | (ends[requests] > num_tokens)
+    bad = requests[outside]
+    rows.add(bad, -1, _RULE_RANGE, violation_rows(
+        kind, -1, 0, 0, 0, 0, np.where(starts[bad] < 0, starts[bad], ends[bad]), _OUT_OF_RANGE))
+    requests = requests[~outside]
+
+    batch = _Batch(context, plan, starts, ends, input_ids, positions, out_cache_loc,
+                   expected_input_tokens, expected_input_positions)
+    context.slot_run_counter[0] += batch.run(requests, rows)
+    commit_rows(context.violation_log, rows.ordered())
+
+
+class _Batch:
+    def __init__(self, context, plan, starts, ends, input_ids, positions, out_cache_loc,
+                 expected_tokens, expected_positions):
+        self.context = context
+        self.fields = canary_fields(context.canary_buf)
+        self.seeds = plan.write_seed_slot_indices
+        self.starts, self.ends = starts, ends
+        self.input_ids, self.positions, self.out_cache_loc = input_ids, positions, out_cache_loc
+        self.expected_tokens, self.expected_positions = expected_tokens, expected_positions
+        self.position_assert = int(context.enable_chain_position_assert[0]) != 0
+        self.report_conflicts = context.extensions
+
+    def entries(self, requests: np.ndarray):
+        """Flat token indices of the requests' kept entries (slot >= 0), grouped by request."""
+        counts = self.ends[requests] - self.starts[requests]
+        request_of = np.repeat(np.arange(requests.size), counts)
+        first = np.cumsum(counts) - counts
+        entry = np.arange(request_of.size) - first[request_of]
+        index = self.starts[requests][request_of] + entry
+        kept = self.out_cache_loc[index] >= 0
+        return request_of[kept], entry[kept], index[kept]
+
+    def run(self, requests: np.ndarray, rows: _Rows) -> int:
+        """Write the requests' entries; returns how many writes landed inside the buffer
+        (a write that loses its slot to a later one of the launch still counts)."""
+        kind, fields = self.context.kernel_kind, self.fields
+        num_slots = fields.shape[0]
+        request_of, entry, index = self.entries(requests)
+        slot = self.out_cache_loc[index]
+        token, position = self.input_ids[index], self.positions[index]
+        request_id = requests[request_of]
+
+        # Seeds, all read before anything is stored: link of the seed record, or H0.
+        seed = self.seeds[requests]
+        seed_out = seed >= num_slots
+        rows.add(requests[seed_out], -1, _RULE_SEED, violation_rows(
+            kind, seed[seed_out], 0, 0, 0, 0, seed[seed_out], _OUT_OF_RANGE))
+        seeded = np.flatnonzero((seed >= 0) & ~seed_out)
+        running = np.full(requests.size, CHAIN_HEAD, dtype=np.uint64)
+        seed_record = fields[seed[seeded]]
+        running[seeded] = mix3_inplace(seed_record[:, 2].view(np.uint64).copy(),
+                                       seed_record[:, 0].view(np.uint64),
+                                       seed_record[:, 1].view(np.uint64))
+
+        prev_hash = _chain(running, request_of, token, position)
+
+        if self.expected_tokens is not None:
+            expected_token = self.expected_tokens[index]
+            expected_position = self.expected_positions[index]
+            bits = (np.where(token != expected_token, _TOKEN, 0)
+                    | np.where(position != expected_position, _POSITION, 0))
+            hit = np.flatnonzero(bits)
+            rows.add(request_id[hit], entry[hit], _RULE_INPUT, violation_rows(
+                kind, slot[hit], position[hit], token[hit], expected_token[hit],
+                prev_hash[hit], expected_position[hit], bits[hit]))
+
+        if self.position_assert and seeded.size:
+            # Expected position: the previous kept entry's actual position + 1 (the seed's
+            # for a request's first entry), so one bad token is one violation.
+            has_seed = np.zeros(requests.size, dtype=bool)
+            has_seed[seeded] = True
+            previous = np.empty_like(position)
+            previous[1:] = position[:-1]
+            first_of_request = np.ones(position.size, dtype=bool)
+            first_of_request[1:] = request_of[1:] != request_of[:-1]
+            seed_position = np.zeros(requests.size, dtype=np.int64)
+            seed_position[seeded] = seed_record[:, 1]
+            previous[first_of_request] = seed_position[request_of[first_of_request]]
+            expected = previous + 1
+            hit = np.flatnonzero(has_seed[request_of] & (position != expected))
+            rows.add(request_id[hit], entry[hit], _RULE_CHAIN_POSITION, violation_rows(
+                kind, slot[hit], position[hit], token[hit], token[hit], prev_hash[hit],
+                expected[hit], _POSITION))
+
+        slot_out = slot >= num_slots
+        # A slot outside the buffer is never stored; one outside a real-KV source is
+        # stored with real-KV hash 0 (its bytes are not read). Both are reported alike.
+        hit = np.flatnonzero(slot_out | outside_sources(
+            self.context.real_kv_sources, self.context.real_kv_hash_mode, slot))
+        rows.add(request_id[hit], entry[hit], _RULE_SLOT, violation_rows(
+            kind, slot[hit], position[hit], token[hit], token[hit], prev_hash[hit],
+            slot[hit], _OUT_OF_RANGE))
+
+        inside = np.flatnonzero(~slot_out)
+        keeper = inside[_last_writer(slot[inside])]
+        lost = np.flatnonzero((keeper != inside) & (slot[inside] != TOKEN_TO_KV_SLOT_PADDING))
+        hit, kept = inside[lost], keeper[lost]
+        if self.report_conflicts:
+            rows.add(request_id[hit], entry[hit], _RULE_CONFLICT, violation_rows(
+                kind, slot[hit], position[hit], token[hit], token[kept], prev_hash[hit],
+                position[kept], _CONFLICT))
+
+        stored = np.unique(keeper)
+        _store(fields, slot[stored], token[stored], position[stored], prev_hash[stored],
+               real_kv_hash(self.context.real_kv_sources, self.context.real_kv_hash_mode,
+                            slot[stored]))
+        return int(inside.size)
+
+
+def _chain(running: np.ndarray, request_of: np.ndarray, token, position) -> np.ndarray:
+    """prev_hash of every entry: the running hash before it, advanced entry by entry.
+
+    Requests are ranked longest first and entries sorted by (step, rank), so the requests
+    still running at step k are a prefix of the ranks and step k is one contiguous slice:
+    one in-place mix3 per step over every running request."""
+    num_entries = request_of.size
+    prev_hash = np.empty(num_entries, dtype=np.uint64)
+    if num_entries == 0:
+        return prev_hash
+    lengths = np.bincount(request_of, minlength=running.size)
+    rank = np.argsort(-lengths, kind="stable")
+    lane_of_request = np.empty_like(rank)
+    lane_of_request[rank] = np.arange(rank.size)
+    step = np.arange(num_entries) - (np.cumsum(lengths) - lengths)[request_of]
+    order = np.lexsort((lane_of_request[request_of], step))
+    tokens = token.view(np.uint64)[order]
+    positions = position.view(np.uint64)[order]
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(step))))
+    hashes = np.empty(num_entries, dtype=np.uint64)
+    acc = running[rank].copy()
+    for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        lanes = acc[: end - begin]
+        hashes[begin:end] = lanes
+        mix3_inplace(lanes, tokens[begin:end], positions[begin:end])
+    prev_hash[order] = hashes
+    return prev_hash
+
+
+def _last_writer(slot: np.ndarray) -> np.ndarray:
+    """For every write, the index of the last write to the same slot (itself when alone).
+    Writes are in (request, entry) order, so "last" is the largest write id the kernel's
+    atomicMax claim keeps."""
+    if slot.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    _, group = np.unique(slot, return_inverse=True)
+    last = np.full(int(group.max()) + 1, -1, dtype=np.int64)
+    np.maximum.at(last, group, np.arange(slot.size))
+    return last[group]
+
+
+def _store(fields, slot, token, position, prev_hash, real_kv) -> None:
+    """Store one record per slot (the slots are distinct)."""
+    fields[slot, 0] = token
+    fields[slot, 1] = position
+    fields[slot, 2] = prev_hash.view(np.int64)
+    fields[slot, 3] = real_kv.view(np.int64)
