@@ -8,8 +8,8 @@ original as ``__wrapped__`` and hands the call to the session of the guarded mod
 * ``CacheAllocator.copy_blocks`` (forks): records are copied with the KV blocks;
 * ``OffloadingManager._offload_to_cpu`` and ``restore_scheduled_requests``: records leave
   and come back with the KV;
-* the two of :mod:`.manager` (a long-running manager's finished requests are dropped, and
-  requests are aborted on a finding).
+* those registered in ``_Hooks.more_targets``: the two of :mod:`.manager` (a long-running
+  manager's finished requests are dropped, and requests are aborted on a finding).
 
 On the last guard's exit every attribute is restored exactly (one a class did not define
 itself is deleted again). transformers is imported only inside the functions here.
@@ -55,6 +55,8 @@ class _Hooks:
     lock = threading.Lock()
     active: dict = {}      # id(model) -> Guard
     saved: list = []       # (owner, name, had_own, original)
+    # Functions returning more (owner, name, hook) triples: other modules register theirs.
+    more_targets: list = []
 
     @classmethod
     def targets(cls):
@@ -62,9 +64,8 @@ class _Hooks:
         from transformers.generation.continuous_batching import continuous_api as api
         from transformers.generation.continuous_batching import offloading_manager as om
 
-        from .manager import hook_targets
-
-        return hook_targets() + (
+        extra = tuple(target for more in cls.more_targets for target in more())
+        return extra + (
             (api.ContinuousBatchProcessor, "_generation_step", _generation_step_hook),
             (ca.CacheAllocator, "copy_blocks", _copy_blocks_hook),
             (om.OffloadingManager, "_offload_to_cpu", _offload_hook),

@@ -44,6 +44,9 @@ def hook_targets() -> tuple:
             (api.OutputRouter, "deliver_batch", _deliver_batch_hook))
 
 
+_Hooks.more_targets.append(hook_targets)
+
+
 def abort_request(guard, request_id: str, reason: str) -> None:
     """Fail ``request_id`` (and, for a fork's parent, nothing else) at the end of the current
     step: its client gets an output with ``error`` set to ``reason`` and the engine frees it.
