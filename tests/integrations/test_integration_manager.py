@@ -153,9 +153,9 @@ def test_findings_arrive_on_the_manager_thread_and_abort_fails_only_that_request
 
 
 @pytest.mark.parametrize("kind", ["free-held", "kv-flip", "position-shift"])
-def test_each_drill_is_found_at_its_request_and_position(model, kind):
+def test_each_drill_is_found_at_its_request_and_position(model, kind, caplog):
     drills = DrillSet([parse_drill(f"{kind}@3")])
-    guard = kvt.guard(model, on_violation=lambda f: None)
+    guard = kvt.guard(model, on_violation="log")        # the logger, on the manager's thread
     with guard:
         drills.install()
         manager = start(model, num_blocks=40)
@@ -166,6 +166,9 @@ def test_each_drill_is_found_at_its_request_and_position(model, kind):
             drills.uninstall()
     (drill,) = drills.fired
     mine = [f for f in guard.findings() if f.request_id == drill.request_id]
+    logged = [r for r in caplog.records if r.name == "kvcanary" and r.levelname == "WARNING"
+              and f"request={drill.request_id} " in r.getMessage()]
+    assert logged and all(r.threadName != "MainThread" for r in logged)
     assert mine, (drill, [f.describe() for f in guard.findings()[:3]])
     if kind == "free-held":
         # The cause is named when another request reused the block ("freed ... reused"); one
