@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import click
 
-from .common import EXIT_ERROR, ERROR_PREFIX, user_error
+from .common import ERROR_PREFIX, EXIT_ERROR, user_error
 
 
-@click.command("serve", context_settings={"ignore_unknown_options": False})
+@click.command("serve")
 @click.argument("model")
 @click.option("--sources", type=click.Choice(["k0", "kv-all", "none"]), default="k0",
               show_default=True,

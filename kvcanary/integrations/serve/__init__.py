@@ -55,7 +55,7 @@ def run(model: str, *, sources="k0", hash_mode="all", check_tokens=True,
             while serve._thread.is_alive() and not stop.event.wait(0.2):
                 if state.exit_requested.is_set():
                     break
-            _drain(serve, stop, state)
+            _drain(serve)
     finally:
         drill_set.uninstall()
         patches.restore()
@@ -158,7 +158,7 @@ def _wait_started(serve, stop: _Stop) -> None:
                 config.port)
 
 
-def _drain(serve, stop: _Stop, state: ServeState) -> None:
+def _drain(serve) -> None:
     """Stop accepting, let the requests in flight finish (uvicorn's graceful shutdown), then
     stop the engine."""
     serve.server.should_exit = True
