@@ -153,6 +153,7 @@ def test_concurrent_clients_clean_and_whole(clean_server, model_dir):
     assert metric(clean_server, "kvcanary_guard_seconds_count") == s["steps"]
     # The whole load, cancelled ones included, has left the engine and the guard.
     assert s["requests_guarded"] >= 64
+    assert s["guards"][0]["requests_tracked"] == 0
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(clean_server, model_dir):
@@ -345,6 +346,8 @@ def test_soak_keeps_the_servers_memory_flat(model_dir, tmp_path):
         server.stop()
     assert all(error is None for _, _, error in results)
     assert s["findings"] == 0 and s["requests_guarded"] >= SOAK_REQUESTS
+    assert s["guards"][0]["requests_tracked"] == 0
+    assert s["guards"][0]["request_names"] < 3 * SOAK_WARM
     print(f"soak: RSS {warm / 2**20:.1f} MiB after {SOAK_WARM}, {end / 2**20:.1f} MiB after "
           f"{SOAK_REQUESTS} ({(end / warm - 1) * 100:+.2f}%)")
     assert end <= warm * 1.05, (warm, end)

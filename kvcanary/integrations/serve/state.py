@@ -138,7 +138,8 @@ class ServeState:
         with self.lock:
             guards = list(self.guards)
             total = self.findings_total
-        per_model = [dict(g.summary(), model=type(g.model).__name__) for g in guards]
+        per_model = [dict(g.summary(), model=type(g.model).__name__, **_kept(g))
+                     for g in guards]
         return {"on_violation": self.on_violation, "findings": total,
                 **{k: v for k, v in self.totals().items()},
                 "guards": per_model, "options": self.guard_options,
@@ -150,6 +151,15 @@ class ServeState:
             if self._log is not None:
                 self._log.close()
                 self._log = None
+
+
+def _kept(g) -> dict:
+    """What the guard's session holds per request now (the live requests only)."""
+    session = g._session
+    if session is None:
+        return {"requests_tracked": 0, "request_names": 0}
+    return {"requests_tracked": len(session.requests),
+            "request_names": len(session.request_names)}
 
 
 class ServeGuard(Guard):
