@@ -347,7 +347,6 @@ def test_soak_keeps_the_servers_memory_flat(model_dir, tmp_path):
     assert all(error is None for _, _, error in results)
     assert s["findings"] == 0 and s["requests_guarded"] >= SOAK_REQUESTS
     assert s["guards"][0]["requests_tracked"] == 0
-    assert s["guards"][0]["request_names"] < 3 * SOAK_WARM
     print(f"soak: RSS {warm / 2**20:.1f} MiB after {SOAK_WARM}, {end / 2**20:.1f} MiB after "
           f"{SOAK_REQUESTS} ({(end / warm - 1) * 100:+.2f}%)")
     assert end <= warm * 1.05, (warm, end)
