@@ -13,6 +13,7 @@ from .common import end_output, output_failed
 from .demo import demo_command
 from .explain import explain_command
 from .interrupt import interruptible
+from .serve import serve_command
 from .smoke import smoke
 from .synth import synth_command
 
@@ -59,3 +60,5 @@ for _command in (demo_command, synth_command, audit_command, explain_command, ca
                  smoke):
     _command.short_help = SHORT_HELP[_command.name]
     main.add_command(interruptible(_command))
+# A server's stop is SIGINT or SIGTERM: it drains and exits 0 (its own signal handling).
+main.add_command(serve_command)

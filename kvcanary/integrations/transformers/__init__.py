@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+from collections import deque
 
 import numpy as np
 
@@ -50,6 +51,7 @@ from ...format.errors import GUARD_PREFIX, GuardError
 from .hooks import SUPPORTED_RANGE, SUPPORTED_VERSIONS, Hooks, supported_version
 from .groups import CacheSession, check_model
 from .session import Session  # noqa: F401  (tests patch it)
+from .manager import RAW_ROWS_KEPT, STEP_TIMES_KEPT
 
 logger = logging.getLogger("kvcanary")
 
@@ -153,14 +155,15 @@ class Guard:
         self.on_violation = on_violation
         self.ring_capacity = ring_capacity
         self.merger = Merger(key=Sighting.key, kind=Finding)
-        self.raw_rows = []       # (step, int64 [8] row) of every ring row
+        self.raw_rows = deque(maxlen=RAW_ROWS_KEPT)   # (step, int64 [8] row): the newest rows
         self.stats = dict(steps=0, entries_verified=0, tokens_written=0, ring_rows=0,
                           rows_dropped=0, blocks_copied=0, blocks_restored=0, sessions=0,
                           read_index_mismatches=0, write_index_mismatches=0)
         self.session = None
         self.error = None
         self._inside = False
-        self.step_times = []     # (guard seconds, engine step seconds) per guarded step
+        # (guard seconds, engine step seconds) of the newest guarded steps
+        self.step_times = deque(maxlen=STEP_TIMES_KEPT)
 
     # -- context manager
 

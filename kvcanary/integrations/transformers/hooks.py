@@ -7,7 +7,9 @@ original as ``__wrapped__`` and hands the call to the session of the guarded mod
   write after it;
 * ``CacheAllocator.copy_blocks`` (forks): records are copied with the KV blocks;
 * ``OffloadingManager._offload_to_cpu`` and ``restore_scheduled_requests``: records leave
-  and come back with the KV.
+  and come back with the KV;
+* those registered in ``Hooks.more_targets``: the two of :mod:`.manager` (a long-running
+  manager's finished requests are dropped, and requests are aborted on a finding).
 
 On the last guard's exit every attribute is restored exactly (one a class did not define
 itself is deleted again). transformers is imported only inside the functions here.
@@ -54,6 +56,8 @@ class Hooks:
     lock = threading.Lock()
     active: dict = {}      # id(model) -> Guard
     saved: list = []       # (owner, name, had_own, original)
+    # Functions returning more (owner, name, hook) triples: other modules register theirs.
+    more_targets: list = []
 
     @classmethod
     def targets(cls):
@@ -61,7 +65,8 @@ class Hooks:
         from transformers.generation.continuous_batching import continuous_api as api
         from transformers.generation.continuous_batching import offloading_manager as om
 
-        return (
+        extra = tuple(target for more in cls.more_targets for target in more())
+        return extra + (
             (api.ContinuousBatchProcessor, "_generation_step", _generation_step_hook),
             (ca.CacheAllocator, "copy_blocks", _copy_blocks_hook),
             (om.OffloadingManager, "_offload_to_cpu", _offload_hook),
