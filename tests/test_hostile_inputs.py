@@ -535,6 +535,9 @@ import os, signal, sys
 from kvcanary.system.atomic import replacing
 from kvcanary.system.signals import Interrupted, signals_raise
 target = sys.argv[1]
+# A run started in the background (no job control) or under nohup inherits SIGQUIT or SIGHUP
+# ignored, and an ignored signal is never raised: the child printed nothing and exited 0.
+signal.signal(getattr(signal, sys.argv[2]), signal.SIG_DFL)
 try:
     with signals_raise(), replacing(target) as temporary:
         with open(temporary, "wb") as handle:
