@@ -30,7 +30,7 @@ def model():
 
 def moved_here(guard, reader, block):
     """How ``reader`` came to hold ``block`` in the guard's allocator history."""
-    return guard._session.history.got.get(reader, {}).get(block, (None, None))[1]
+    return guard.session.groups[0].history.got.get(reader, {}).get(block, (None, None))[1]
 
 
 def test_shared_prefix_block_freed_while_held_names_it_for_every_reader(model, monkeypatch):
