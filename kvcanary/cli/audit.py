@@ -24,6 +24,7 @@ from .common import (
     error_boundary,
     error_message,
     printable,
+    require_output_folder,
     user_error,
 )
 from .interrupt import interrupted_record, on_interrupt
@@ -204,6 +205,7 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findin
 
         with error_boundary():
             require_renderer()
+        require_output_folder(html, "--html")
     sections = []
     reported = 0
     if fmt == "json":
