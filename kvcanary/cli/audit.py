@@ -25,6 +25,7 @@ from .common import (
     error_message,
     printable,
     refuse_output_among_inputs,
+    require_output_folder,
     user_error,
 )
 from .interrupt import interrupted_record, on_interrupt
@@ -223,6 +224,7 @@ def audit_command(dumps, backend, max_real_kv_sources, ring_capacity, max_findin
         refuse_output_among_inputs(html, dumps)
         with error_boundary():
             require_renderer()
+        require_output_folder(html, "--html")
     sections = []
     reported = 0
     if fmt == "json":

@@ -79,6 +79,16 @@ def end_output(exc: OSError) -> None:
     fail(f"standard output: {exc.strerror or exc}")
 
 
+def require_output_folder(path: str, option: str) -> None:
+    """Fail now (before any work) when the folder that is to hold ``path`` is missing or not
+    writable; the message names the option and the folder, never a temporary file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        fail(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        fail(f"{option} {path}: the folder {folder} is not writable")
+
+
 def fail(message: str) -> None:
     click.echo(f"{ERROR_PREFIX}{message}", err=True)
     sys.exit(EXIT_ERROR)

@@ -17,6 +17,7 @@ from .common import (
     EXIT_VIOLATIONS,
     error_boundary,
     printable,
+    require_output_folder,
 )
 
 DEFAULT_MAX_FINDINGS = 50
@@ -150,6 +151,7 @@ def explain_command(logs, fmt, max_findings, html):
         refuse_output_among_inputs(html, logs)
         with error_boundary():
             require_renderer()
+        require_output_folder(html, "--html")
     x = _read_all(logs)
     patterns = x.finish()
     shown = x.findings if max_findings == 0 else x.findings[:max_findings]

@@ -298,9 +298,12 @@ def _own_head(v: Violation, entry: Entry, ev) -> bool | None:
 
 
 def _own_token(v: Violation, entry: Entry, tables) -> bool:
-    """Whether the stored token is this request's own expected token at the stored position."""
+    """Whether the stored token is this request's own expected token at the stored position
+    (a record past position 0 that links to the chain's anchor is no record of this chain,
+    whatever its token)."""
     return (tables is not None and entry.kind == "request"
             and v.expected_token != EXPECTED_TOKEN_UNKNOWN
+            and not (v.position > 0 and v.stored_chain_hash == CHAIN_HEAD_INT64)
             and tables.token(entry.request_row, v.position) == v.stored_token)
 
 
@@ -378,10 +381,18 @@ def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv,
             # A run of displaced records: a shift of a range, or a block rewritten by
             # another sequence; only a token check tells them apart.
             return _shifted(v, entry, swapped_with, real_kv, same, certain=False)
+        # A sweep entry has no token check, and its parent (a cached record, or a live
+        # request's that shares the cached prefix) may be this very chain's: a block
+        # displaced inside it fits as well as a rewrite.
+        cached = entry.kind == "sweep"
         return Diagnosis("overwritten", (
             f"slot {s} holds the record of position {q} continuing {_names(parents)}, not "
             f"{_where(entry)}'s: the slot was rewritten for that sequence while this entry "
-            f"still maps it (a reuse while still referenced).{real_kv}"), related=parents)
+            f"still maps it (a reuse while still referenced)"
+            + (" — or the cached chain's own record, displaced by a shifted or swapped block "
+               "(no token check on a sweep entry tells them apart)" if cached else "")
+            + f".{real_kv}"), related=parents, certain=not cached,
+            alternatives=("shifted-mapping",) if cached else ())
     own_head = _own_head(v, entry, ev)
     if own_head or (own_head is None and entry.kind == "sweep"):
         return _shifted(v, entry, swapped_with, real_kv, certain=bool(own_head))

@@ -266,6 +266,13 @@ def fault_kinds(paged: bool) -> tuple:
     return PAGED_FAULT_KINDS if paged else FAULT_KINDS
 
 
+def _did_you_mean(word: str, choices) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f": did you mean {near[0]!r}?" if near else ""
+
+
 def check_kind_target(kind: str, target: str, paged: bool = False) -> None:
     """A SynthError naming the ``--inject`` spec unless ``kind`` can be placed at ``target``."""
     if target in PAIR_SHAPES:
@@ -279,12 +286,16 @@ def check_kind_target(kind: str, target: str, paged: bool = False) -> None:
         return
     kinds = fault_kinds(paged)
     if kind not in kinds:
-        needs = " (needs --block-size)" if kind in PAGED_FAULT_KINDS else ""
-        raise SynthError(f"--inject: unknown fault kind {kind!r}{needs} (one of "
-                         f"{', '.join(kinds)}, or all)")
+        if kind in PAGED_FAULT_KINDS:   # a known kind, of the paged layout only
+            raise SynthError(f"--inject: fault kind {kind!r} is a paged-layout kind: it needs "
+                             "--block-size N (a simulated paged engine)")
+        raise SynthError(f"--inject: unknown fault kind {kind!r}{_did_you_mean(kind, kinds)} "
+                         f"(one of {', '.join(kinds)}, or all)")
     if target not in TARGET_CLASSES:
-        raise SynthError(f"--inject: unknown target class {target!r} (one of "
-                         f"{', '.join(TARGET_CLASSES + PAIR_SHAPES)}, or all)")
+        choices = TARGET_CLASSES + PAIR_SHAPES
+        raise SynthError(f"--inject: unknown target class {target!r}"
+                         f"{_did_you_mean(target, choices)} (one of {', '.join(choices)}, "
+                         "or all)")
     if target not in kind_targets(kind):
         raise SynthError(f"--inject {kind}@{target}: {kind} reaches only "
                          f"{', '.join(kind_targets(kind))} entries")

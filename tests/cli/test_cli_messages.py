@@ -160,3 +160,21 @@ def test_too_many_sources_says_the_bound_is_everywhere_and_how_to_raise_it(tmp_p
                    "kvcanary audit --max-real-kv-sources N")
     raised = invoke("audit", path, "--backend", "numpy", "--max-real-kv-sources", "5")
     assert raised.exit_code == 1 and "summary " in raised.output   # audited (zeroed records)
+
+
+def test_html_into_a_missing_folder_fails_before_any_work(tmp_path):
+    """audit and explain check --html's folder first, as synth checks OUT's: one line naming
+    the option and the folder, no audit run, no temporary file named."""
+    from test_audit import build
+
+    from kvcanary.dump import save
+
+    pytest.importorskip("jinja2", reason="the HTML report needs the report extra (jinja2)")
+    dump = save(str(tmp_path / "d.npz"), **build())
+    log = tmp_path / "x.log"
+    log.write_text("")
+    page = tmp_path / "missing" / "r.html"
+    for args in (["audit", dump, "--backend", "numpy"], ["explain", log]):
+        result = invoke(*args, "--html", page)
+        one_error_line(result, f"--html {page}: the folder {page.parent} does not exist")
+        assert ".partial" not in result.output and "summary" not in result.output

@@ -235,3 +235,15 @@ def test_random_workloads_audit_clean_and_catch_visible_faults(
     assert len(outcomes) == injected  # a refused injection left no fault behind
     for outcome in outcomes:
         assert outcome.detected == outcome.visible, outcome
+
+
+def test_inject_typos_get_the_nearest_name_and_paged_kinds_say_what_they_need():
+    with pytest.raises(SynthError, match="unknown fault kind 'alais': did you mean 'alias'"):
+        parse_inject(["alais:2"])
+    with pytest.raises(SynthError, match="unknown target class 'sahred': did you mean 'shared'"):
+        parse_inject(["alias:2@sahred"])
+    # A known kind of the paged layout is not called unknown.
+    with pytest.raises(SynthError, match="'evicted-block' is a paged-layout kind: it needs "
+                                         "--block-size") as info:
+        parse_inject(["evicted-block:2"])
+    assert "unknown" not in str(info.value)

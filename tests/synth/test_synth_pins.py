@@ -83,12 +83,22 @@ def test_paged_synth_dump_is_pinned(options, expected, refused):
     assert digest_arrays(synthesis.arrays()) == expected
 
 
+DIAGNOSIS_COUNTS = ("diagnosed", "named", "named_or_alternative", "certain_wrong",
+                    "faults_diagnosed", "faults_named", "other_causes")
+
+
 def campaign_digest(**options) -> str:
     report = run_campaign(faults_per_kind=2, clean_runs=2, seed=1, backend="numpy", jobs=1,
                           **options)
     data = json.loads(render(report, "json"))
     for key in ("elapsed_s", "machine", "jobs", "skipped_backends"):
         del data["campaign"][key]
+    # The pin is of the faults and their detection; the diagnosis scores (which follow the
+    # diagnosis's wording of causes, not the simulation) are tested in tests/campaign.
+    del data["certain_wrong_causes"]
+    for row in data["cells"]:
+        for key in DIAGNOSIS_COUNTS:
+            del row[key]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
