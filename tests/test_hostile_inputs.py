@@ -742,7 +742,7 @@ def test_an_ignored_key_is_not_decompressed(tmp_path):
     size = 64 << 20
     header = npy_header(np.uint8, (size,))
     with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED) as archive:
-        with archive.open("user_ignored_extra.npy", "w", force_zip64=True) as member:
+        with archive.open("ignored_extra.npy", "w", force_zip64=True) as member:
             member.write(header)
             zeros = bytes(1 << 20)
             for _ in range(size >> 20):

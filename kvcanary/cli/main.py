@@ -54,6 +54,7 @@ SHORT_HELP = {
     "explain": "Read SGLang's --kv-canary log (and kvcanary JSON) back as findings.",
     "campaign": "Detection coverage: thousands of faults, scored by kind and target.",
     "smoke": "Compile the CUDA kernels and cross-check them on a GPU.",
+    "serve": "Serve a model with transformers' OpenAI-compatible server, guarded.",
 }
 info.short_help = "Versions, hash scheme, NVRTC source, GPU, kernel sources."
 for _command in (demo_command, synth_command, audit_command, explain_command, campaign_command,
@@ -61,4 +62,5 @@ for _command in (demo_command, synth_command, audit_command, explain_command, ca
     _command.short_help = SHORT_HELP[_command.name]
     main.add_command(interruptible(_command))
 # A server's stop is SIGINT or SIGTERM: it drains and exits 0 (its own signal handling).
+serve_command.short_help = SHORT_HELP[serve_command.name]
 main.add_command(serve_command)
