@@ -23,13 +23,20 @@ class _DumpTables:
 
     def __init__(self, d: Dump):
         self.dump = d
+        self._lengths = None   # live request row -> seq_len, made on first use
 
     def slot(self, row: int, position: int) -> int | None:
-        """The table's full slot (before any SWA translation), or None past the table."""
+        """The table's full slot (before any SWA translation), or None past the table or
+        past a live request's length (an entry there is a leftover, not the request's)."""
         d = self.dump
         table = d.slot_table
         column = position // d.block_size
         if not (0 <= row < table.shape[0] and 0 <= column < table.shape[1] and position >= 0):
+            return None
+        if self._lengths is None:
+            rows = np.asarray(d.req_pool_indices).tolist()
+            self._lengths = dict(zip(rows, np.asarray(d.seq_lens).tolist()))
+        if position >= self._lengths.get(row, position + 1):
             return None
         slot = int(table[row, column])
         if d.block_table is not None:
@@ -127,18 +134,20 @@ def diagnose_findings(tally: Tally, d: Dump, launcher: Launcher, live: LiveReque
 
 
 def _stored_positions(columns: dict):
-    """``swapped_with(batch index, position)``: the stored position of the request finding
-    there, or None (sorted arrays: a million findings cost no dictionary)."""
+    """``swapped_with(batch index, position)``: the stored (position, token) of the request
+    finding there, or None (sorted arrays: a million findings cost no dictionary)."""
     request = columns["kind"] == 0
     batch, position = columns["batch_index"][request], columns["position"][request]
-    stored = columns["rows"][request, 2]
+    stored, token = columns["rows"][request, 2], columns["rows"][request, 3]
     order = np.lexsort((position, batch))
-    batch, position, stored = batch[order], position[order], stored[order]
+    batch, position, stored, token = batch[order], position[order], stored[order], token[order]
 
     def swapped_with(b: int, q: int):
         lo, hi = np.searchsorted(batch, b, "left"), np.searchsorted(batch, b, "right")
         at = lo + int(np.searchsorted(position[lo:hi], q, "right")) - 1   # the last such
-        return int(stored[at]) if lo <= at < hi and position[at] == q else None
+        if lo <= at < hi and position[at] == q:
+            return int(stored[at]), int(token[at])
+        return None
 
     return swapped_with
 
