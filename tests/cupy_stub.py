@@ -56,7 +56,10 @@ def on_device(cupy, value, addresses: Addresses):
     """``value`` (a plan, log, context or source built on numpy) with every array replaced
     by a device array, scratch included."""
     twin = copy.copy(value)
-    for name, array in vars(value).items():
+    names = getattr(value, "__dict__", None) or {
+        name: getattr(value, name) for cls in type(value).__mro__
+        for name in getattr(cls, "__slots__", ()) if hasattr(value, name)}   # a slotted source
+    for name, array in dict(names).items():
         if isinstance(array, np.ndarray):
             object.__setattr__(twin, name, device_array(cupy, array, addresses))
     if isinstance(value, CanaryContext):

@@ -71,7 +71,7 @@ def test_patterns_head_tail_one_position_and_ring_overflow():
 def test_every_head_row_in_a_fixture_has_only_checks_a_head_launch_can_make():
     """SGLang gives its HEAD launches no real-KV sources (they run before the forward writes
     the new tokens' KV): a HEAD row can never carry the real-KV hash bit."""
-    from kvcanary.consts import FailReason
+    from kvcanary.format.consts import FailReason
     from kvcanary.audit.explain import read_rows
 
     real = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)

@@ -299,7 +299,7 @@ def test_the_campaign_renders_its_own_diagnosis_table(report):
 def test_a_certain_wrong_cause_fails_the_campaign(monkeypatch):
     import dataclasses
 
-    from kvcanary.diagnosis import Diagnosis
+    from kvcanary.findings.diagnosis import Diagnosis
 
     real_audit = runner.audit
 

@@ -223,6 +223,6 @@ def test_explain_report_of_an_sglang_log_loads_with_its_findings_and_patterns(tm
         rows: document.querySelectorAll('table.findings tbody tr').length,
         notes: Array.from(document.querySelectorAll('ul.notes li')).map(li => li.textContent),
         text: document.body.textContent}))()""")
-    assert dom["rows"] == 9              # the log's 48 rows merge into 9 distinct findings
+    assert dom["rows"] == 12             # the log's 160 rows merge into 12 distinct findings
     assert any(n.startswith("pattern ring-overflow") for n in dom["notes"])
-    assert "49 violations reported, 48 rows logged" in dom["text"]
+    assert "172 violations reported, 160 rows logged" in dom["text"]
