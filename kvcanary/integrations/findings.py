@@ -256,3 +256,16 @@ def _shift(slot, near_slots) -> int:
 def row_reasons(bits: int, guard_checks=()) -> tuple:
     """Fail-reason labels of a row's bits followed by the guard's own checks."""
     return tuple(reason_labels(bits)) + tuple(guard_checks)
+
+
+def take_ring_rows(log, guard, step: int):
+    """A guarded launch's ring rows, taken out of ``log`` (a ``kvcanary.ViolationLog``, cleared
+    after): counted in ``guard.stats`` (``ring_rows``, ``rows_dropped``) and kept, with
+    ``step``, in ``guard.raw_rows``. Returns the rows, int64 ``(n, 8)``."""
+    rows = log.rows()
+    guard.stats["ring_rows"] += log.total
+    guard.stats["rows_dropped"] += log.dropped
+    guard.raw_rows.extend((step, row) for row in rows)
+    if log.total:
+        log.clear()
+    return rows

@@ -34,6 +34,7 @@ from ..findings import (
     Sighting,
     explain,
     row_reasons,
+    take_ring_rows,
 )
 from ...format.errors import GuardError
 from . import dumps
@@ -290,14 +291,7 @@ class Session:
             raise g.error
 
     def _take_rows(self) -> np.ndarray:
-        log = self.context.violation_log
-        rows = log.rows()
-        self.guard.stats["ring_rows"] += log.total
-        self.guard.stats["rows_dropped"] += log.dropped
-        self.guard.raw_rows.extend((self.step, row) for row in rows)
-        if log.total:
-            log.clear()
-        return rows
+        return take_ring_rows(self.context.violation_log, self.guard, self.step)
 
     def after_step(self, processor) -> None:
         g, xp, io, batch = self.guard, self.xp, processor.inputs_and_outputs, self.batch

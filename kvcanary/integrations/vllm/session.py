@@ -26,7 +26,7 @@ from ...format.consts import CANARY_SLOT_BYTES, LaunchTag
 from ...findings.diagnosis import diagnose
 from ...model.types import CanaryContext, VerifyPlan, ViolationLog, WritePlan
 from ...format.violations import Violation
-from ..findings import EngineEvidence, Sighting, explain, row_reasons
+from ..findings import EngineEvidence, Sighting, explain, row_reasons, take_ring_rows
 from .causes import vllm_cause
 
 if TYPE_CHECKING:
@@ -224,14 +224,7 @@ class Session:
                 events.setdefault((i, position, 0), [_SLOT_ZERO, (v, diagnose(v))])
 
     def _take_rows(self) -> np.ndarray:
-        log = self.context.violation_log
-        rows = log.rows()
-        self.guard.stats["ring_rows"] += log.total
-        self.guard.stats["rows_dropped"] += log.dropped
-        self.guard.raw_rows.extend((self.step, row) for row in rows)
-        if log.total:
-            log.clear()
-        return rows
+        return take_ring_rows(self.context.violation_log, self.guard, self.step)
 
     def _store_writers(self, rows, owners, positions, written) -> None:
         inside = (written > 0) & (written < self.num_slots)
