@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvcanary.cli.main import main
+from kvcanary.format.consts import FailReason
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "explain"
 
@@ -217,3 +218,30 @@ def test_html_without_the_extra_is_one_error_before_reading(tmp_path, monkeypatc
     result = CliRunner().invoke(main, ["explain", str(DATA / "decode.log"), "--html", str(page)])
     assert result.exit_code == 2 and "pip install 'kvcanary[report]'" in result.output
     assert "finding 1" not in result.output and not page.exists()
+
+
+@pytest.mark.parametrize("overflow", [True, False])
+def test_the_footers_ring_overflow_is_reported_when_no_more_violations_than_rows(tmp_path,
+                                                                               overflow):
+    """The usual long log: every step re-logs the same rows, so the largest
+    ``total_violations`` (2) is below the rows logged (6); the footer's own flag is what says
+    the ring overflowed."""
+    from kvcanary import Violation
+
+    prefix = "[2026-12-01 16:02:55 TP0] "
+    install = (DATA / "decode.log").read_text().splitlines()[0]
+    rows = [Violation(2, 5, 4, 7, 7, 1, 2, int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)),
+            Violation(2, 6, 9, 8, 8, 3, 4, int(FailReason.VERIFY_POSITION_MISMATCH))]
+    blocks = [prefix + v.format_block(total_violations=2, ring_overflow=overflow,
+                                      step_when_pumped=step)
+              for step in range(3) for v in rows]
+    log = tmp_path / "relogged.log"
+    log.write_text("\n".join([install, *blocks]) + "\n")
+    rs = records(explain(log, "--format", "json").output)
+    summary = rs[-1]
+    assert summary["violations"] == 6 and summary["total_violations_reported"] == 2
+    assert summary["ring_overflow"] is overflow
+    assert ("ring-overflow" in summary["patterns"]) is overflow
+    text = explain(log).output
+    assert ("ring overflow: 2 violations reported" in text) is overflow
+    assert ("pattern ring-overflow: the violation ring overflowed (" in text) is overflow
