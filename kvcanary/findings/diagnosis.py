@@ -12,6 +12,7 @@ diagnosis uses the row's fields only and says where that leaves it ambiguous.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,7 @@ _CHECK_BITS = tuple((int(bit), text) for bit, text in CHECK_WORDS.items())
 _KNOWN_BITS = sum(bit for bit, _ in _CHECK_BITS)
 
 
+@functools.lru_cache(maxsize=1024)   # once per finding: a flooded dump has few distinct bits
 def failed_checks(bits: int) -> tuple:
     """The failed checks of ``fail_reason_bits`` in words, in bit order."""
     words = [text for bit, text in _CHECK_BITS if bits & bit]
@@ -289,7 +291,7 @@ def _own_head(v: Violation, entry: Entry, ev) -> bool | None:
     at position 0 matches; None: the token is unknown)."""
     if ev is None or v.position != 0 or v.stored_chain_hash != CHAIN_HEAD_INT64:
         return False
-    at = np.flatnonzero((ev.batch_index == entry.batch_index) & (ev.positions == 0))
+    at = ev.heads_of(entry.batch_index)
     tokens = ev.tokens[at]
     tokens = tokens[tokens != EXPECTED_TOKEN_UNKNOWN]
     if tokens.size == 0:

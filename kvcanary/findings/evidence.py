@@ -73,6 +73,9 @@ class Evidence:
     zero_entries: int = 0
     checked_entries: int = 0
     has_records: bool = True
+    # Sorted views of columns, built on the first lookup: a diagnosis asks once per finding,
+    # and a scan of every entry per finding made a flooded dump's diagnosis quadratic.
+    _sorted: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_entries(cls, *, slots, positions, tokens, batch_index, request_rows,
@@ -137,13 +140,37 @@ class Evidence:
                       **({"stored_position": int(self.record_positions[i])} if stored else {})}
                      for i in index.tolist())
 
+    def _equal(self, name: str, value: int, columns: tuple = (), keys=None) -> np.ndarray:
+        """Indices (ascending) of the entries whose column ``name`` (or ``keys()``, made of
+        ``columns``) equals ``value``: a binary search in a sorted copy made once, and made
+        anew when one of the columns is replaced by another array."""
+        columns = columns or (getattr(self, name),)
+        cached = self._sorted.get(name)
+        if cached is None or any(a is not b for a, b in zip(cached[0], columns)):
+            values = keys() if keys else columns[0]
+            order = np.argsort(values, kind="stable")
+            cached = self._sorted[name] = (columns, order, values[order])
+        _, order, ordered = cached
+        lo, hi = np.searchsorted(ordered, value, "left"), np.searchsorted(ordered, value, "right")
+        return order[lo:hi]
+
     def users(self, slot: int) -> np.ndarray:
-        return np.flatnonzero(self.slots == slot)
+        """Indices of the entries reading ``slot``."""
+        return self._equal("slots", slot)
 
     def parents(self, chain_hash: int) -> np.ndarray:
+        """Indices of the entries whose record's link is ``chain_hash`` (none for the
+        chain head's anchor, or without records)."""
         if not self.has_records or chain_hash == CHAIN_HEAD_INT64:
             return np.zeros(0, dtype=np.int64)
-        return np.flatnonzero(self.links == chain_hash)
+        return self._equal("links", chain_hash)
+
+    def heads_of(self, batch_index: int) -> np.ndarray:
+        """Indices of the entries of ``batch_index`` at position 0."""
+        def keys():
+            return np.where(self.positions == 0, self.batch_index, np.iinfo(np.int64).min)
+
+        return self._equal("heads", batch_index, (self.positions, self.batch_index), keys)
 
     def bits_at(self, slot: int) -> int:
         """The fail reasons of the rows on ``slot``, ORed (0: no row)."""
@@ -153,7 +180,7 @@ class Evidence:
 
     def prev_of(self, slot: int) -> int:
         """The predecessor slot of an entry reading ``slot`` (-1 when none is known)."""
-        at = np.flatnonzero(self.slots == slot)
+        at = self.users(slot)
         return int(self.prev_slots[at[0]]) if at.size else -1
 
 
@@ -204,7 +231,7 @@ def predecessor_changed(ev: Evidence, prev: int) -> bool | None:
         last, slot = slot, ev.prev_of(slot)
     if run == 0:
         return bool(slot > 0 and ev.bits_at(slot) & content)
-    head = slot < 0 and bool((ev.slots == last).any())   # the run reached a chain head
+    head = slot < 0 and bool(ev.users(last).size)   # the run reached a chain head
     if (slot <= 0 and not head) or run >= CHAIN_WALK or (slot > 0 and ev.prev_of(slot) == 0
                                                          and not ev.bits_at(slot) & content):
         # The run starts at a record the evidence cannot vouch for (one it does not hold, or
