@@ -241,6 +241,9 @@ class CanaryContext:
                     f"is a {library} array; pass arrays of one library", key=name
                 )
             if self.hashing:  # NONE mode never dereferences a source
+                # Again, not only when built: object.__setattr__ still reaches a slot.
+                source.check_layout(source.page_size, source.num_bytes_per_token,
+                                    source.read_bytes)
                 source.check_row_width()
         A.check_disjoint(A.context_arrays(self, sources=False))   # sources are only read
         self._passed = state

@@ -118,3 +118,21 @@ def test_unchanged_repeat_checks_only_the_step_arrays(monkeypatch):
     write_plan.write_num_valid_reqs = np.ones(1, np.int32)
     launch("write", ctx, verify_plan, write_plan)
     assert "plan.write_num_valid_reqs" in checked
+
+
+@pytest.mark.parametrize("launch_name", ["verify", "write"])
+@pytest.mark.parametrize("field,value,key", [("read_bytes", 4096, "read_bytes"),
+                                             ("num_bytes_per_token", 8, "num_bytes_per_token"),
+                                             ("page_size", 0, "page_size")])
+@pytest.mark.parametrize("repeat", [False, True])
+def test_a_source_field_forced_past_its_immutability_is_checked_at_the_launch(
+        launch_name, field, value, key, repeat):
+    """``object.__setattr__`` still reaches a slotted field: the launch checks the layout it
+    reads again (a read_bytes past the row let the kernels read past the tensor)."""
+    ctx, verify_plan, write_plan = objects()
+    if repeat:
+        launch(launch_name, ctx, verify_plan, write_plan)
+    object.__setattr__(ctx.real_kv_sources[1], field, value)
+    with pytest.raises(kc.CanaryError, match=f"RealKvSource.{key} must be") as info:
+        launch(launch_name, ctx, verify_plan, write_plan)
+    assert info.value.key == key
