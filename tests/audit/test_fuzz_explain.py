@@ -1,9 +1,12 @@
 """``explain``'s fuzz target: random and mutated SGLang log blocks and kvcanary JSON Lines.
 
-hypothesis builds logs from real blocks (kvcanary's rendering of a ring row, byte for byte
-SGLang's) and real violation records, then mutates them (byte flips, inserted bytes and
-hostile tokens such as huge numbers, ``bitN`` labels, deep nesting, NUL, removed or
-duplicated spans, joined lines). Whatever comes out, reading it:
+hypothesis builds logs from real blocks (SGLang's own, from the fixture logs of
+tests/data/explain, and kvcanary's rendering of random ring rows, byte for byte SGLang's) and
+real violation records, then mutates them (byte flips, inserted bytes and hostile tokens such
+as huge numbers, ``bitN`` labels, deep nesting, NUL, removed or duplicated spans, joined
+lines); the JSON records also get hostile values (``Infinity``, ``NaN``, decimals of
+thousands of digits, nesting thousands deep, attribution of the wrong type). Whatever comes
+out, reading it:
 
 * raises nothing (a binary head is refused with :class:`ExplainError`, nothing else);
 * is never ``clean`` when a line still says ``kv_canary violation:``;
@@ -16,6 +19,7 @@ import io
 import json
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 from fuzz_support import fuzz_settings
@@ -38,6 +42,28 @@ HOSTILE = [b"9" * 5000, b"bit3000000000", b"bit63", b"+bit7", b"\x00", b"\n", b"
 # Per example: fixed costs (the interpreter, the diagnosis tables) plus a cost per byte.
 TIME_BASE_S, TIME_PER_BYTE_S = 0.5, 50e-6
 MEMORY_BASE, MEMORY_PER_BYTE = 4 << 20, 400
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "explain"
+
+
+def fixture_blocks() -> list:
+    """Every block of SGLang's fixture logs (the violation line and its report lines, each
+    with its log prefix) and every other line, as the log holds them."""
+    blocks = []
+    for log in sorted(DATA.glob("*.log")):
+        for line in log.read_text().splitlines():
+            if blocks and not line.startswith("[") and "kv_canary violation:" not in line:
+                blocks[-1] += "\n" + line     # a report line continues its block
+            else:
+                blocks.append(line)
+    return blocks
+
+
+FIXTURE_BLOCKS = fixture_blocks()
+# JSON values no encoder writes but a log may hold; each replaces a placeholder string.
+JSON_HOSTILE = {"\x01inf": "Infinity", "\x01-inf": "-Infinity", "\x01nan": "NaN",
+                "\x01digits": "9" * 5000, "\x01deep": "[" * 3000 + "]" * 3000,
+                "\x01object": '{"a":' * 2000 + "1" + "}" * 2000, "\x01float": "1e400"}
 
 int64 = st.integers(-(1 << 63), (1 << 63) - 1)
 small = st.integers(-2, 200)
@@ -62,14 +88,19 @@ def json_lines(draw) -> str:
     for key in draw(st.lists(st.sampled_from(sorted(record)), max_size=3)):
         record[key] = draw(st.one_of(st.none(), st.booleans(), st.text(max_size=5),
                                      st.floats(allow_nan=False, allow_infinity=False),
-                                     st.lists(small, max_size=2), int64))
-    return json.dumps(record)
+                                     st.lists(small, max_size=2), int64,
+                                     st.sampled_from(sorted(JSON_HOSTILE))))
+    text = json.dumps(record)
+    for placeholder, value in JSON_HOSTILE.items():
+        text = text.replace(json.dumps(placeholder), value)
+    return text
 
 
 @st.composite
 def mutated_logs(draw) -> bytes:
-    parts = draw(st.lists(st.one_of(blocks(), json_lines(), st.just(INSTALL),
-                                    st.text(max_size=60)), min_size=1, max_size=12))
+    parts = draw(st.lists(st.one_of(blocks(), st.sampled_from(FIXTURE_BLOCKS), json_lines(),
+                                    st.just(INSTALL), st.text(max_size=60)),
+                          min_size=1, max_size=12))
     data = bytearray("\n".join(parts).encode("utf-8", "surrogatepass"))
     for _ in range(draw(st.integers(0, 6))):
         at = draw(st.integers(0, len(data)))
@@ -140,3 +171,29 @@ def test_a_long_run_of_each_hostile_token_costs_what_its_bytes_do(token):
         total_violations=1, ring_overflow=False, step_when_pumped=0) + "\n").encode()
     body = (token * ((1 << 17) // len(token) + 1))[: 1 << 17]
     check(INSTALL.encode() + b"\n" + block + body + b"\n" + block.replace(b"=4 ", token, 1))
+
+
+def test_the_fixture_blocks_are_sglangs_own_and_read_whole():
+    violations = [b for b in FIXTURE_BLOCKS if "kv_canary violation:" in b]
+    assert len(violations) > 100 and all(b.count("\n") == 6 for b in violations)
+    x = read(("\n".join(FIXTURE_BLOCKS) + "\n").encode())
+    assert x.rows == len(violations) and x.unparsed == 0
+
+
+@pytest.mark.parametrize("field", ["slot_idx", "position", "fail_reason", "total_violations",
+                                   "stored_chain_hash"])
+def test_each_field_of_a_real_block_holding_each_hostile_token(field):
+    """Each hostile token in place of one field's value, in SGLang's structured line and in
+    the block's report lines alike: bounded, and never clean."""
+    block = next(b for b in FIXTURE_BLOCKS if "kv_canary violation:" in b)
+    for token in HOSTILE + [v.encode() for v in JSON_HOSTILE.values()]:
+        data = bytearray(block.encode())
+        at = data.find(field.encode() + b"=")
+        while at >= 0:
+            start = at + len(field) + 1
+            end = start
+            while end < len(data) and data[end:end + 1] not in (b" ", b"\n"):
+                end += 1
+            data[start:end] = token
+            at = data.find(field.encode() + b"=", start + len(token))
+        check(INSTALL.encode() + b"\n" + bytes(data) + b"\n")
