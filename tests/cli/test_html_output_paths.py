@@ -5,6 +5,7 @@ hidden temporary beside it."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,8 +58,13 @@ def test_explain_refuses_to_write_the_page_over_its_log(tmp_path):
     refused(["explain", str(log), "--html", str(log)], str(log))
 
 
-def test_a_full_disk_is_blamed_on_the_page_not_on_standard_output(tmp_path, monkeypatch):
-    dump = small_dump(tmp_path / "d.npz")
+@pytest.mark.parametrize("command", ["audit", "explain"])
+def test_a_full_disk_is_blamed_on_the_page_not_on_standard_output(tmp_path, monkeypatch,
+                                                                  command):
+    if command == "audit":
+        source = small_dump(tmp_path / "d.npz")
+    else:
+        source = str(Path(__file__).resolve().parents[1] / "data" / "explain" / "pd-decode.log")
     page = str(tmp_path / "report.html")
 
     class Full:   # what a full disk does to the page's write
@@ -72,7 +78,7 @@ def test_a_full_disk_is_blamed_on_the_page_not_on_standard_output(tmp_path, monk
             return False
 
     monkeypatch.setattr(render, "open", Full, raising=False)
-    result = CliRunner().invoke(main, ["audit", dump, "--html", page])
+    result = CliRunner().invoke(main, [command, source, "--html", page])
     assert result.exit_code == 2
     assert f"kvcanary: error: {page}: No space left on device" in result.output
     assert "standard output" not in result.output
