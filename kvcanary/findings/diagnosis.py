@@ -267,19 +267,21 @@ def _owners(v: Violation, entry: Entry, ev: Evidence, tables=None) -> tuple:
                 for i in parents.tolist()], dtype=bool)
     users = ev.users(v.slot_idx)
     other = users[(ev.batch_index[users] != entry.batch_index) & (ev.request_rows[users] >= 0)
-                  & (ev.positions[users] == v.position) & ~ev.failing[users]]
-    known = ev.tokens[other] != EXPECTED_TOKEN_UNKNOWN
-    other = other[~known | (ev.tokens[other] == v.stored_token)]
-    # Evidence of another owner only where its expectation differs from this entry's (a
-    # shared prefix slot read at the same position and token is no double allocation), or
-    # where the record continues the owner's chain and not this request's.
-    differs = ev.positions[other] != entry.position
-    if v.expected_token != EXPECTED_TOKEN_UNKNOWN:
-        differs |= (ev.tokens[other] != EXPECTED_TOKEN_UNKNOWN) & (
-            ev.tokens[other] != v.expected_token)
-    if parents.size and not own.any():
-        differs |= np.isin(ev.batch_index[other], ev.batch_index[parents])
-    other = other[differs]
+                  & (ev.positions[users] == v.position) & ~ev.failing[users]] if users.size > 1 \
+        or (users.size and ev.batch_index[users[0]] != entry.batch_index) else users[:0]
+    if other.size:   # (most slots have one reader, the entry itself: nothing to weigh)
+        known = ev.tokens[other] != EXPECTED_TOKEN_UNKNOWN
+        other = other[~known | (ev.tokens[other] == v.stored_token)]
+        # Evidence of another owner only where its expectation differs from this entry's (a
+        # shared prefix slot read at the same position and token is no double allocation),
+        # or where the record continues the owner's chain and not this request's.
+        differs = ev.positions[other] != entry.position
+        if v.expected_token != EXPECTED_TOKEN_UNKNOWN:
+            differs |= (ev.tokens[other] != EXPECTED_TOKEN_UNKNOWN) & (
+                ev.tokens[other] != v.expected_token)
+        if parents.size and not own.any():
+            differs |= np.isin(ev.batch_index[other], ev.batch_index[parents])
+        other = other[differs]
     if parents.size and other.size:   # the record continues a record of the owner
         owned = np.isin(ev.batch_index[other], ev.batch_index[parents])
         other = other[owned] if owned.any() else other

@@ -146,13 +146,14 @@ class Evidence:
         anew when one of the columns is replaced by another array."""
         columns = columns or (getattr(self, name),)
         cached = self._sorted.get(name)
-        if cached is None or any(a is not b for a, b in zip(cached[0], columns)):
+        if cached is None or cached[0] != tuple(map(id, columns)):
             values = keys() if keys else columns[0]
             order = np.argsort(values, kind="stable")
-            cached = self._sorted[name] = (columns, order, values[order])
-        _, order, ordered = cached
-        lo, hi = np.searchsorted(ordered, value, "left"), np.searchsorted(ordered, value, "right")
-        return order[lo:hi]
+            # The columns themselves are kept too, so that their ids name them while cached.
+            cached = self._sorted[name] = (tuple(map(id, columns)), order, values[order],
+                                           columns)
+        _, order, ordered, _ = cached
+        return order[ordered.searchsorted(value, "left"):ordered.searchsorted(value, "right")]
 
     def users(self, slot: int) -> np.ndarray:
         """Indices of the entries reading ``slot``."""
