@@ -33,9 +33,13 @@ class _DumpTables:
         column = position // d.block_size
         if not (0 <= row < table.shape[0] and 0 <= column < table.shape[1] and position >= 0):
             return None
-        if self._lengths is None:
-            rows = np.asarray(d.req_pool_indices).tolist()
-            self._lengths = dict(zip(rows, np.asarray(d.seq_lens).tolist()))
+        if self._lengths is None:   # the live rows' (never a scan of every padding row)
+            live = d.live_batch()
+            self._lengths = dict(zip(np.asarray(d.req_pool_indices[live]).tolist(),
+                                     np.asarray(d.seq_lens[live]).tolist()))
+            padding = _first_padding(live, d.batch_size)
+            if padding is not None:   # row 0 is padding: no request of it reads a slot
+                self._lengths[0] = 0
         if position >= self._lengths.get(row, position + 1):
             return None
         slot = int(table[row, column])
@@ -49,10 +53,22 @@ class _DumpTables:
         pool = d.expected_tokens
         if pool is None or not (0 <= row < pool.shape[0] and 0 <= position < pool.shape[1]):
             return None
-        batch = np.flatnonzero(np.asarray(d.req_pool_indices) == row)
-        if batch.size == 0 or position >= int(d.expected_tokens_valid_lens[batch[0]]):
+        live = d.live_batch()
+        if row:
+            batch = live[np.asarray(d.req_pool_indices[live]) == row]
+            first = int(batch[0]) if batch.size else None
+        else:
+            first = _first_padding(live, d.batch_size)
+        if first is None or position >= int(d.expected_tokens_valid_lens[first]):
             return None
         return int(pool[row, position])
+
+
+def _first_padding(live: np.ndarray, batch_size: int) -> int | None:
+    """The first batch index that is not in ``live`` (ascending), or None."""
+    gaps = np.flatnonzero(live != np.arange(live.size))
+    first = int(gaps[0]) if gaps.size else int(live.size)
+    return first if first < batch_size else None
 
 
 def diagnose_findings(tally: Tally, d: Dump, launcher: Launcher, live: LiveRequests,

@@ -79,7 +79,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     check_token = d.expected_tokens is not None
     result = AuditResult(
         path=d.path, backend=chosen, launch_tag=d.launch_tag.name, num_slots=d.num_slots,
-        live_requests=int(np.count_nonzero(np.asarray(d.req_pool_indices))),
+        live_requests=int(d.live_batch().size),
         live_entries=live_entries, sweep_entries=d.num_sweep_entries,
         real_kv_sources=len(d.real_kv), real_kv_hash_mode=d.real_kv_hash_mode.name.lower(),
         swa_window_size=d.swa_window_size, check_expected_token=check_token, compat=compat,

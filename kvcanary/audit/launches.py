@@ -143,12 +143,13 @@ class LiveRequests:
 
 def live_requests(d: Dump) -> LiveRequests:
     """The live requests, scanned ``_SCAN_ROWS`` batch rows at a time (memory stays within
-    the size of the tables read, whatever the batch size)."""
+    the size of the tables read, whatever the batch size) over the rows that hold data (a
+    sparse file's holes are padding rows, never read)."""
     indices, lengths = [], []
-    for begin in range(0, d.batch_size, _SCAN_ROWS):
-        seq_lens = np.asarray(d.seq_lens[begin:begin + _SCAN_ROWS])
+    for begin, end in d.row_ranges("req_pool_indices", _SCAN_ROWS):
+        seq_lens = np.asarray(d.seq_lens[begin:end])
         length = np.maximum(0, seq_lens - window_start(seq_lens, d.swa_window_size))
-        live = np.flatnonzero((np.asarray(d.req_pool_indices[begin:begin + _SCAN_ROWS]) != 0)
+        live = np.flatnonzero((np.asarray(d.req_pool_indices[begin:end]) != 0)
                               & (length > 0))
         indices.append(live + begin)
         lengths.append(length[live].astype(np.int64))
