@@ -66,14 +66,11 @@ class Dump:
 
     def live_batch(self) -> np.ndarray:
         """The batch indices whose ``req_pool_indices`` is not the padding row 0 (int64,
-        ascending), found once, a slice of the batch at a time."""
-        found = self.__dict__.get("_live_batch")
-        if found is None:
-            parts = [np.flatnonzero(np.asarray(self.req_pool_indices[begin:end]) != 0) + begin
-                     for begin, end in self.row_ranges("req_pool_indices")]
-            found = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-            self._live_batch = found
-        return found
+        ascending), scanned a slice of the batch at a time over the rows holding data (a
+        scan per call: keep the result while the arrays do not change)."""
+        parts = [np.flatnonzero(np.asarray(self.req_pool_indices[begin:end]) != 0) + begin
+                 for begin, end in self.row_ranges("req_pool_indices")]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
     @property
     def num_slots(self) -> int:
