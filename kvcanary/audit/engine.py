@@ -111,6 +111,8 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         done += launch.size
         if progress:
             progress(done, total_entries)
+    if progress and done < total_entries:   # sweep entries in a sparse file's holes
+        progress(total_entries, total_entries)
     findings, result.zero_records = diagnose_findings(tally, d, launcher, live, chunk, grouped, found)
     tally.fill(result)
     # A short list is built now; a long one (--max-findings 0 on a flooded dump) stays

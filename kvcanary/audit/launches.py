@@ -236,10 +236,12 @@ def plan_errors(d: Dump):
 
 
 def sweep_launches(d: Dump, launcher: Launcher, chunk: int):
-    """The dump's sweep entries as they are, with the SWEEP tag and no token check."""
+    """The dump's sweep entries as they are, with the SWEEP tag and no token check; the
+    entries in a sparse file's holes read slot 0, padding, which verify skips: they are not
+    launched."""
     tag = int(sweep_tag(d.launch_tag)) if d.num_sweep_entries else 0
-    for begin in range(0, d.num_sweep_entries, chunk):
-        end = min(d.num_sweep_entries, begin + chunk)
+    for begin, end in (d.row_ranges("sweep_slot_indices", chunk) if d.num_sweep_entries
+                       else ()):
         entries = Entries(*(np.ascontiguousarray(a[begin:end], dtype=np.int64) for a in (
             d.sweep_slot_indices, d.sweep_prev_slot_indices, d.sweep_positions)),
             np.full(end - begin, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64))

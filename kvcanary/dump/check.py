@@ -372,5 +372,5 @@ def _load_sweep(c: _Checker, dump: Dump) -> None:
     length = arrays[0].shape[0] if arrays[0].ndim == 1 else None
     arrays = [c.integer(key, array, (np.int64,), 1, (length,))
               for key, array in zip(keys, arrays)]
-    c.nonnegative("sweep_positions", arrays[2])
     dump.sweep_slot_indices, dump.sweep_prev_slot_indices, dump.sweep_positions = arrays
+    _nonnegative(c, dump, "sweep_positions")

@@ -131,8 +131,10 @@ class ReportMaps:
         self.slot_used = np.zeros(self.num_slots, dtype=bool)
         self.slot_twice = np.zeros(self.num_slots, dtype=bool)
         sweep = getattr(dump, "sweep_positions", None)
-        widest = max(self.positions, int(np.abs(sweep).max()) if sweep is not None and sweep.size
-                     else 0)
+        ranges = dump.row_ranges("sweep_positions") if sweep is not None and sweep.size and \
+            hasattr(dump, "row_ranges") else [(0, 0 if sweep is None else sweep.size)]
+        widest = max([self.positions] + [int(np.abs(sweep[begin:end]).max())
+                                         for begin, end in ranges if end > begin])
         position_type = np.int32 if widest < np.iinfo(np.int32).max else np.int64
         self.slot_position = np.full(self.num_slots, -1, dtype=position_type)
         self.outside_rows = self.sweep_rows = self.unattributed_rows = 0

@@ -143,3 +143,43 @@ def test_widening_a_sparse_narrow_array_is_bounded(tmp_path):
     path = sparse_dump(tmp_path / "small", 1 << 22, {5: (1, 3), (1 << 22) - 1: (2, 4)}, np.int32)
     dump = load(path)
     assert dump.req_pool_indices.dtype == np.int64 and dump.live_batch().tolist() == [5, 4194303]
+
+
+def sweep_dump(path, entries: int, sweep: dict) -> str:
+    """A directory dump with no live request and ``entries`` sweep entries, only ``sweep``
+    ({index: (slot, prev, position)}) held, the rest holes (slot 0: padding)."""
+    save(path, canary=np.zeros((512, 32), np.uint8), req_to_token=np.ones((2, 4), np.int32),
+         req_pool_indices=np.zeros(1, np.int64), seq_lens=np.zeros(1, np.int64),
+         sweep_slot_indices=np.ones(1, np.int64), sweep_prev_slot_indices=np.full(1, -1, np.int64),
+         sweep_positions=np.zeros(1, np.int64))
+    for field, key in enumerate(("sweep_slot_indices", "sweep_prev_slot_indices",
+                                 "sweep_positions")):
+        sparse_npy(os.path.join(path, f"{key}.npy"), entries,
+                   {index: values[field] for index, values in sweep.items()})
+    return str(path)
+
+
+def test_sweep_entries_between_holes_audit_as_written_whole(tmp_path):
+    """Sweep entries in a sparse file's holes read slot 0, which verify skips: skipping them
+    finds what the same entries written whole find (the records are zero: every held entry
+    fails), and the summary counts every entry."""
+    entries = 1 << 18
+    sweep = {3: (7, -1, 2), 150_001: (9, 8, 5), entries - 1: (11, -1, 1)}
+    path = sweep_dump(tmp_path / "sparse", entries, sweep)
+    if not is_sparse(os.path.join(path, "sweep_positions.npy")):
+        pytest.skip("this file system stores no holes")
+    whole = {key: np.zeros(entries, np.int64) for key in (
+        "sweep_slot_indices", "sweep_prev_slot_indices", "sweep_positions")}
+    for index, (slot, prev, position) in sweep.items():
+        whole["sweep_slot_indices"][index] = slot
+        whole["sweep_prev_slot_indices"][index] = prev
+        whole["sweep_positions"][index] = position
+    dense = audit(load(save(tmp_path / "whole.npz", canary=np.zeros((512, 32), np.uint8),
+                            req_to_token=np.ones((2, 4), np.int32),
+                            req_pool_indices=np.zeros(1, np.int64),
+                            seq_lens=np.zeros(1, np.int64), **whole)), backend="numpy")
+    got = audit(load(path), backend="numpy")
+    assert got.sweep_entries == dense.sweep_entries == entries
+    assert got.total_violations == dense.total_violations > 0
+    assert sorted((f.sweep_index, f.violation.slot_idx) for f in got.findings) == \
+        sorted((f.sweep_index, f.violation.slot_idx) for f in dense.findings)
