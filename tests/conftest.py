@@ -1,7 +1,7 @@
 """Shared test set-up, for every folder of the suite (the folders mirror the package):
 
 * the shared helper modules (``builders``, ``oracle``, ``workload``, ``fuzz_support``,
-  ``cupy_stub``, ``kernel_harness``, ``interrupt_harness``) and every test folder are
+  ``cupy_stub``, ``alias_cases``, ``kernel_harness``, ``interrupt_harness``) and every test folder are
   importable by their plain names from anywhere, whatever pytest's import mode;
 * subprocesses the tests start (the CLI, the benchmark scripts) import this checkout's
   kvcanary, installed or not (its root goes first on ``PYTHONPATH``);

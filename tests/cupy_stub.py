@@ -296,8 +296,30 @@ def check_repeat_launch(cupy) -> dict:
     return results
 
 
+def check_aliasing(cupy) -> dict:
+    """Each case of tests/alias_cases.py on device arrays: an argument over another's device
+    memory (the same made-up address) is refused naming both, before any launch."""
+    import kvcanary as kc
+    from alias_cases import CASES, run_case
+
+    def alias(target, shape, dtype):
+        return cupy.ndarray(shape, dtype, memptr=target.data)
+
+    launched = []
+    with stub_backend(cupy, lambda *args: launched.append(args)):
+        results = {}
+        for case, (_, _, expected) in CASES.items():
+            before = len(launched)
+            outcome = run_case(kc, World(cupy, 2), alias, case)
+            if outcome == "ok" and expected is not None and len(launched) != before:
+                outcome = "refused after a launch"
+            results[case] = outcome
+    return results
+
+
 CHECKS = {"conversion": check_conversion, "mixed_devices": check_mixed_devices,
-          "function_cache": check_function_cache, "repeat_launch": check_repeat_launch}
+          "function_cache": check_function_cache, "repeat_launch": check_repeat_launch,
+          "aliasing": check_aliasing}
 
 
 def run_checks(cupy) -> dict:

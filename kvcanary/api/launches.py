@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model import arrays as A
+from ..model import overlap
 from ..backends.resolve import backend_module
 from ..format.consts import REQ_POOL_IDX_PADDING
 from ..format.errors import CanaryError
@@ -143,8 +144,9 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
     ------
     ValueError
         A :class:`~kvcanary.CanaryError` naming the argument at fault: a bad shape, dtype or
-        library, both or neither table, ``bs`` above the write capacity, or with ``strict``
-        a plan too small for the batch.
+        library, both or neither table, ``bs`` above the write capacity, arrays that share
+        memory with one the launch writes (both named), or with ``strict`` a plan too small
+        for the batch.
 
     Examples
     --------
@@ -177,6 +179,12 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
         A.check_writeable(array, name)
     library = A.same_library(table_name, inputs["req_to_token"],
                              **{k: v for k, v in inputs.items() if k != "req_to_token"}, **outputs)
+    # Both plans are written, the batch only read (library first: two libraries' addresses
+    # are two address spaces).
+    fresh = inputs if table_name == "req_to_token" else {
+        (table_name if name == "req_to_token" else name): array for name, array in inputs.items()}
+    overlap.check_fresh(overlap.check_pair(verify_plan.extents(), write_plan.extents(), True,
+                                           "plan"), fresh, "plan", library)
     if check_capacity is None:
         check_capacity = library == "numpy" or strict
     # Counted before the launch: a count past int64 is an error, raised with the plans as
@@ -350,6 +358,9 @@ def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_
     A.check_writeable(context.canary_buf, "canary_buf")
     _check_tokens_cover_the_plan(plan, length)
     library = _same_library(context, plan, **tokens, **expected)
+    written = overlap.check_pair(context.written_extents(), plan.extents(), False, "write")
+    overlap.check_fresh(written, tokens, "write", library)
+    overlap.check_fresh(written, expected, "write", library)
     _run(backend or library, library, "write",
          dict(context=context, plan=plan, **tokens, **expected))
 
@@ -402,6 +413,7 @@ def verify(context: CanaryContext, plan: VerifyPlan, *, check_expected_token: bo
     plan.validate()
     context.validate_arrays()
     library = _same_library(context, plan)
+    overlap.check_pair(context.written_extents(), plan.extents(), False, "verify")
     _run(backend or library, library, "verify",
          dict(context=context, plan=plan, check_expected_token=bool(check_expected_token)))
 

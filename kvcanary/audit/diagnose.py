@@ -24,6 +24,7 @@ class _DumpTables:
     def __init__(self, d: Dump):
         self.dump = d
         self._lengths = None   # live request row -> seq_len, made on first use
+        self._live = None      # the live batch indices, found on first use
 
     def slot(self, row: int, position: int) -> int | None:
         """The table's full slot (before any SWA translation), or None past the table or
@@ -33,9 +34,13 @@ class _DumpTables:
         column = position // d.block_size
         if not (0 <= row < table.shape[0] and 0 <= column < table.shape[1] and position >= 0):
             return None
-        if self._lengths is None:
-            rows = np.asarray(d.req_pool_indices).tolist()
-            self._lengths = dict(zip(rows, np.asarray(d.seq_lens).tolist()))
+        if self._lengths is None:   # the live rows' (never a scan of every padding row)
+            live = self.live()
+            self._lengths = dict(zip(np.asarray(d.req_pool_indices[live]).tolist(),
+                                     np.asarray(d.seq_lens[live]).tolist()))
+            padding = _first_padding(live, d.batch_size)
+            if padding is not None:   # row 0 is padding: no request of it reads a slot
+                self._lengths[0] = 0
         if position >= self._lengths.get(row, position + 1):
             return None
         slot = int(table[row, column])
@@ -43,16 +48,34 @@ class _DumpTables:
             slot = slot * d.block_size + position % d.block_size if slot else 0
         return slot
 
+    def live(self) -> np.ndarray:
+        """The dump's live batch indices, scanned once for every finding's questions."""
+        if self._live is None:
+            self._live = self.dump.live_batch()
+        return self._live
+
     def token(self, row: int, position: int) -> int | None:
         """The expected token at ``position`` of a batch's request row, or None."""
         d = self.dump
         pool = d.expected_tokens
         if pool is None or not (0 <= row < pool.shape[0] and 0 <= position < pool.shape[1]):
             return None
-        batch = np.flatnonzero(np.asarray(d.req_pool_indices) == row)
-        if batch.size == 0 or position >= int(d.expected_tokens_valid_lens[batch[0]]):
+        live = self.live()
+        if row:
+            batch = live[np.asarray(d.req_pool_indices[live]) == row]
+            first = int(batch[0]) if batch.size else None
+        else:
+            first = _first_padding(live, d.batch_size)
+        if first is None or position >= int(d.expected_tokens_valid_lens[first]):
             return None
         return int(pool[row, position])
+
+
+def _first_padding(live: np.ndarray, batch_size: int) -> int | None:
+    """The first batch index that is not in ``live`` (ascending), or None."""
+    gaps = np.flatnonzero(live != np.arange(live.size))
+    first = int(gaps[0]) if gaps.size else int(live.size)
+    return first if first < batch_size else None
 
 
 def diagnose_findings(tally: Tally, d: Dump, launcher: Launcher, live: LiveRequests,

@@ -79,7 +79,7 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
     check_token = d.expected_tokens is not None
     result = AuditResult(
         path=d.path, backend=chosen, launch_tag=d.launch_tag.name, num_slots=d.num_slots,
-        live_requests=int(np.count_nonzero(np.asarray(d.req_pool_indices))),
+        live_requests=int(d.live_batch().size),
         live_entries=live_entries, sweep_entries=d.num_sweep_entries,
         real_kv_sources=len(d.real_kv), real_kv_hash_mode=d.real_kv_hash_mode.name.lower(),
         swa_window_size=d.swa_window_size, check_expected_token=check_token, compat=compat,
@@ -111,6 +111,8 @@ def audit(dump, *, backend: str = "auto", max_real_kv_sources: int = MAX_REAL_KV
         done += launch.size
         if progress:
             progress(done, total_entries)
+    if progress and done < total_entries:   # sweep entries in a sparse file's holes
+        progress(total_entries, total_entries)
     findings, result.zero_records = diagnose_findings(tally, d, launcher, live, chunk, grouped, found)
     tally.fill(result)
     # A short list is built now; a long one (--max-findings 0 on a flooded dump) stays

@@ -143,12 +143,13 @@ class LiveRequests:
 
 def live_requests(d: Dump) -> LiveRequests:
     """The live requests, scanned ``_SCAN_ROWS`` batch rows at a time (memory stays within
-    the size of the tables read, whatever the batch size)."""
+    the size of the tables read, whatever the batch size) over the rows that hold data (a
+    sparse file's holes are padding rows, never read)."""
     indices, lengths = [], []
-    for begin in range(0, d.batch_size, _SCAN_ROWS):
-        seq_lens = np.asarray(d.seq_lens[begin:begin + _SCAN_ROWS])
+    for begin, end in d.row_ranges("req_pool_indices", _SCAN_ROWS):
+        seq_lens = np.asarray(d.seq_lens[begin:end])
         length = np.maximum(0, seq_lens - window_start(seq_lens, d.swa_window_size))
-        live = np.flatnonzero((np.asarray(d.req_pool_indices[begin:begin + _SCAN_ROWS]) != 0)
+        live = np.flatnonzero((np.asarray(d.req_pool_indices[begin:end]) != 0)
                               & (length > 0))
         indices.append(live + begin)
         lengths.append(length[live].astype(np.int64))
@@ -235,10 +236,12 @@ def plan_errors(d: Dump):
 
 
 def sweep_launches(d: Dump, launcher: Launcher, chunk: int):
-    """The dump's sweep entries as they are, with the SWEEP tag and no token check."""
+    """The dump's sweep entries as they are, with the SWEEP tag and no token check; the
+    entries in a sparse file's holes read slot 0, padding, which verify skips: they are not
+    launched."""
     tag = int(sweep_tag(d.launch_tag)) if d.num_sweep_entries else 0
-    for begin in range(0, d.num_sweep_entries, chunk):
-        end = min(d.num_sweep_entries, begin + chunk)
+    for begin, end in (d.row_ranges("sweep_slot_indices", chunk) if d.num_sweep_entries
+                       else ()):
         entries = Entries(*(np.ascontiguousarray(a[begin:end], dtype=np.int64) for a in (
             d.sweep_slot_indices, d.sweep_prev_slot_indices, d.sweep_positions)),
             np.full(end - begin, EXPECTED_TOKEN_UNKNOWN, dtype=np.int64))

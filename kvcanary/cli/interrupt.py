@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from kvcanary.system.atomic import outputs_written, written_since
 from kvcanary.system.signals import Interrupted, signals_raise
 
 
@@ -42,13 +43,16 @@ def progressed(label: str, done: int, total: int) -> None:
 
 @contextlib.contextmanager
 def unwritten(what: str):
-    """Inside the block an interrupt leaves ``what`` unwritten; the line says so."""
+    """Inside the block an interrupt leaves the output ``what`` unwritten, and the line
+    says so, unless the block had already put it in place (the signal cut what came after:
+    the output is whole, and is not called unwritten)."""
+    mark = outputs_written()
     try:
         yield
     except Interrupted as exc:
         if exc.output_written:   # it landed just after the output was put in place
             exc.output_written = False
-        else:
+        elif not written_since(what, mark):
             _activity.unwritten.append(what)
         raise
 

@@ -7,8 +7,8 @@ import numpy as np
 
 from ..format.consts import LaunchTag, RealKvHashMode
 from .model import (DUMP_VERSION, KNOWN_KEYS, REAL_KV_PREFIX, REQUIRED_KEYS, VERSION_KEY, Dump,
-                    DumpError, widen)
-from .read import read_raw
+                    INT64_KEYS, DumpError, widen)
+from .read import MAX_NPZ_EXPANSION, MAX_NPZ_EXPANSION_FLOOR, read_raw
 
 
 # Tokens per block of a paged dump: engines use up to a few hundred; a larger value would
@@ -116,6 +116,10 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
                         f"(write dumps with kvcanary.dump.save, which adds {VERSION_KEY}; a "
                         f"hand-made dump needs {VERSION_KEY} = {DUMP_VERSION} too: "
                         "docs/dump-format.md lists every key)")
+    present = {key: value.present_rows for key, value in values.items()
+               if getattr(value, "present_rows", None) is not None}   # sparse files' data
+    for key, ranges in present.items():
+        _check_sparse_widening(path, key, values[key], ranges)
     values = widen(values)
     c = _Checker(path, values)
     version = c.scalar_int(VERSION_KEY, c.get(VERSION_KEY, required=True))
@@ -143,26 +147,29 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
     rows = c.integer("req_pool_indices", c.get("req_pool_indices", required=True), (np.int64,), 1)
     bs = rows.shape[0]
     seq_lens = c.integer("seq_lens", c.get("seq_lens", required=True), (np.int64,), 1, (bs,))
-    c.nonnegative("req_pool_indices", rows)
-    c.nonnegative("seq_lens", seq_lens)
-    # Positions past the table are findings (out of the table), but a length far past it is
-    # a corrupt value that would make the audit enumerate up to 2**63 entries.
     dump = Dump(path=path, flavour=flavour, canary=canary, req_to_token=req_to_token,
                 req_pool_indices=rows, seq_lens=seq_lens, block_table=block_table,
-                block_size=block_size)
+                block_size=block_size, present_rows=present)
+    _nonnegative(c, dump, "req_pool_indices")
+    _nonnegative(c, dump, "seq_lens")
     # A row outside the table is a wrong dump, not a corrupt record: one error, not a finding
     # at every position of the row.
     table, table_key = (req_to_token, "req_to_token") if block_table is None else (
         block_table, "block_table")
-    outside = np.flatnonzero(np.asarray(rows) >= table.shape[0])
-    if outside.size:
-        index = int(outside[0])
+    outside = _first(dump, "req_pool_indices", lambda part: part >= table.shape[0])
+    if outside is None and bs and not table.shape[0]:
+        outside = 0   # even a padding row, which a sparse file's holes hold, is outside
+    if outside is not None:
+        index = outside
         c.fail("req_pool_indices", f"req_pool_indices[{index}] = {int(rows[index])} is outside "
                                    f"{table_key}, which has {table.shape[0]} rows")
+    # Positions past the table are findings (out of the table), but a length far past it is
+    # a corrupt value that would make the audit enumerate up to 2**63 entries.
     width = dump.table_positions
-    over = np.flatnonzero((np.asarray(rows) != 0) & (np.asarray(seq_lens) > 2 * width))
+    live = dump.live_batch()
+    over = np.flatnonzero(np.asarray(seq_lens[live]) > 2 * width) if live.size else live
     if over.size:
-        index = int(over[0])
+        index = int(live[over[0]])
         covered = (f"req_to_token's width {width}" if block_table is None else
                    f"the {width} positions block_table covers ({block_table.shape[1]} blocks of "
                    f"{block_size})")
@@ -190,6 +197,43 @@ def validate(path: str, flavour: str, values: dict) -> Dump:
             continue
         dict.__setitem__(dump.extra, key, value if hasattr(value, "load") else _extra(value))
     return dump
+
+
+def _check_sparse_widening(path: str, key: str, array, ranges) -> None:
+    """Widening a narrow integer array of a sparse file to int64 allocates 8 bytes for every
+    row its header declares, held or not: bounded like an archive's expansion (its holes are
+    never read, but the widened array is memory)."""
+    if key not in INT64_KEYS or array.dtype == np.int64 or array.dtype.kind not in "iu":
+        return
+    row_bytes = array.nbytes // max(1, array.shape[0])
+    held = sum(end - begin for begin, end in ranges) * row_bytes
+    widened = array.size * 8
+    limit = max(MAX_NPZ_EXPANSION_FLOOR, MAX_NPZ_EXPANSION * held)
+    if widened > limit:
+        raise DumpError(f"{path}: key {key}: a sparse {array.dtype} file declaring "
+                        f"{array.shape[0]} rows, {held} bytes of them held: widened to int64 "
+                        f"it would take {widened} bytes, above the limit of {limit}; save "
+                        "it as int64 (whose holes cost nothing)")
+
+
+def _first(dump: Dump, key: str, test) -> int | None:
+    """The first row of ``key`` where ``test`` (of a slice of the array) holds, scanned a
+    slice at a time over the rows that hold data (:meth:`Dump.row_ranges`)."""
+    array = getattr(dump, key)
+    for begin, end in dump.row_ranges(key):
+        hits = np.flatnonzero(test(np.asarray(array[begin:end])))
+        if hits.size:
+            return begin + int(hits[0])
+    return None
+
+
+def _nonnegative(c: _Checker, dump: Dump, key: str) -> None:
+    """``c.nonnegative`` for a batch array, a slice at a time over the rows holding data."""
+    array = getattr(dump, key)
+    least = min((int(np.min(array[begin:end])) for begin, end in dump.row_ranges(key)
+                 if end > begin), default=0)
+    if least < 0:
+        c.fail(key, f"holds a negative value ({least})")
 
 
 def _extra(value):
@@ -316,7 +360,7 @@ def _load_expected(c: _Checker, dump: Dump, bs: int) -> None:
                                      (dump.slot_table.shape[0], None))
     dump.expected_tokens_valid_lens = c.integer("expected_tokens_valid_lens", lens, (np.int64,),
                                                 1, (bs,))
-    c.nonnegative("expected_tokens_valid_lens", lens)
+    _nonnegative(c, dump, "expected_tokens_valid_lens")
 
 
 def _load_sweep(c: _Checker, dump: Dump) -> None:
@@ -328,5 +372,5 @@ def _load_sweep(c: _Checker, dump: Dump) -> None:
     length = arrays[0].shape[0] if arrays[0].ndim == 1 else None
     arrays = [c.integer(key, array, (np.int64,), 1, (length,))
               for key, array in zip(keys, arrays)]
-    c.nonnegative("sweep_positions", arrays[2])
     dump.sweep_slot_indices, dump.sweep_prev_slot_indices, dump.sweep_positions = arrays
+    _nonnegative(c, dump, "sweep_positions")

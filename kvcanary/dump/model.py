@@ -13,6 +13,9 @@ from ..format.errors import ToolError
 
 
 DUMP_VERSION = 1
+# Batch rows scanned at a time (the live requests, the checks of the batch arrays): bounds the
+# temporaries of a scan, whatever the batch size.
+SCAN_ROWS = 1 << 20
 VERSION_KEY = "kvcanary_dump_version"
 STRING_KEYS = ("launch_tag", "real_kv_hash_mode")
 
@@ -47,6 +50,27 @@ class Dump:
     sweep_prev_slot_indices: np.ndarray | None = None
     sweep_positions: np.ndarray | None = None
     extra: dict = field(default_factory=dict)
+    # key -> the (begin, end) rows of a sparse file's array that hold data; the others lie in
+    # the file's holes and read as zero (keys not here: every row). See ``row_ranges``.
+    present_rows: dict = field(default_factory=dict)
+
+    def row_ranges(self, key: str, rows: int = SCAN_ROWS):
+        """``(begin, end)`` ranges of at most ``rows`` rows covering every row of ``key``'s
+        array that can hold a value other than zero: all of them, except in a sparse file of
+        a directory dump, whose holes (zeros) are never read. A scan over these ranges costs
+        what the file holds, not what its header declares."""
+        length = int(getattr(self, key).shape[0])
+        for begin, end in self.present_rows.get(key, ((0, length),)):
+            for first in range(begin, min(end, length), rows):
+                yield first, min(end, length, first + rows)
+
+    def live_batch(self) -> np.ndarray:
+        """The batch indices whose ``req_pool_indices`` is not the padding row 0 (int64,
+        ascending), scanned a slice of the batch at a time over the rows holding data (a
+        scan per call: keep the result while the arrays do not change)."""
+        parts = [np.flatnonzero(np.asarray(self.req_pool_indices[begin:end]) != 0) + begin
+                 for begin, end in self.row_ranges("req_pool_indices")]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
     @property
     def num_slots(self) -> int:
@@ -142,5 +166,13 @@ def widen(values: dict) -> dict:
         value = widened.get(key)
         if value is not None and value.dtype.kind in "iu" and value.dtype != np.int64 \
                 and np.can_cast(value.dtype, np.int64):
-            widened[key] = value.astype(np.int64)
+            present = getattr(value, "present_rows", None)
+            if present is None or value.ndim == 0:
+                widened[key] = value.astype(np.int64)
+                continue
+            # A sparse file's holes stay unread: zeros the system hands out untouched.
+            wide = np.zeros(value.shape, np.int64)
+            for begin, end in present:
+                wide[begin:end] = value[begin:end]
+            widened[key] = wide
     return widened

@@ -5,6 +5,7 @@ allocate."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -310,7 +311,51 @@ def _read_dir_files(path: str, through: str) -> dict:
                 if "allow_pickle" in str(exc) or "Object arrays" in str(exc):
                     raise
                 values[raw_key] = np.load(file, allow_pickle=False)  # e.g. empty arrays
+                continue
+            present = _present_rows(file, header, values[raw_key])
+            if present is not None:
+                values[raw_key].present_rows = present
     return values
+
+
+# Holes of a sparse file shorter than this are read like data: merging them keeps the ranges
+# few (a file with a hole every other block would otherwise give one range per block).
+_HOLE_MERGE_BYTES = 1 << 20
+
+
+def _present_rows(file: str, header: int, array) -> tuple | None:
+    """The ``(begin, end)`` rows of a memory-mapped ``.npy`` that hold data, when the file
+    has holes (a sparse file: its declared size costs no disk, and its holes read as zero);
+    None when every row holds data or the system cannot say (no ``SEEK_DATA``)."""
+    if not hasattr(os, "SEEK_DATA") or array.ndim == 0 or not array.shape[0] \
+            or not array.flags.c_contiguous:
+        return None
+    row_bytes = array.nbytes // array.shape[0]
+    if not row_bytes:
+        return None
+    end = header + array.nbytes
+    extents = []
+    with open(file, "rb") as handle:
+        fd, offset = handle.fileno(), header
+        while offset < end:
+            try:
+                begin = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:   # nothing but a hole to the end
+                    break
+                return None   # the system cannot say: every row is read
+            begin = max(begin, offset)
+            if begin >= end:
+                break
+            stop = min(end, os.lseek(fd, begin, os.SEEK_HOLE))
+            if extents and begin - extents[-1][1] < _HOLE_MERGE_BYTES:
+                extents[-1][1] = stop
+            else:
+                extents.append([begin, stop])
+            offset = stop
+    if len(extents) == 1 and extents[0][0] <= header and extents[0][1] >= end:
+        return None
+    return tuple(((b - header) // row_bytes, -(-(e - header) // row_bytes)) for b, e in extents)
 
 
 def _read_safetensors(path: str) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import arrays as A
+from . import overlap
 from ..format.consts import EXPECTED_TOKEN_UNKNOWN
 from ..format.errors import CanaryError
 
@@ -85,8 +86,14 @@ class VerifyPlan:
         A.check_array(self.verify_num_valid, "plan.verify_num_valid", A.INT32, 1, 1)
         A.check_array(self.enable, "plan.enable", A.INT32, 1, 1)
         A.check_disjoint(self.arrays())
+        self._extents = overlap.extents(self.arrays())
         self._passed = state
         self._library = A.common_library(*(getattr(self, n) for n in self.ARRAYS))
+
+    def extents(self) -> overlap.Extents:
+        """The byte extents of the plan's arrays when it last passed :meth:`validate`
+        (:mod:`kvcanary.model.overlap`): a new object whenever an array changed."""
+        return self._extents
 
     def library(self) -> str | None:
         """The one library of the plan's arrays when it last passed :meth:`validate`, or
@@ -175,10 +182,12 @@ class WritePlan:
         if not self._scratch_fits():  # the arrays were replaced after construction
             self._allocate_scratch()
         A.check_disjoint(self.arrays())
+        self._extents = overlap.extents(self.arrays())   # the scratch is its own allocation
         self._passed = [A.array_state(getattr(self, n)) for n in self.ARRAYS + self.SCRATCH]
         self._library = A.common_library(*(getattr(self, n) for n in self.ARRAYS))
 
     library = VerifyPlan.library
+    extents = VerifyPlan.extents
 
 
 def _zeros_like(array, length: int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import arrays as A
+from . import overlap
 from ..format.consts import (
     CANARY_FIELDS_PER_SLOT,
     MAX_REAL_KV_SOURCES,
@@ -245,9 +246,23 @@ class CanaryContext:
                 source.check_layout(source.page_size, source.num_bytes_per_token,
                                     source.read_bytes)
                 source.check_row_width()
-        A.check_disjoint(A.context_arrays(self, sources=False))   # sources are only read
+        arrays = A.context_arrays(self, sources=False)
+        A.check_disjoint(arrays)
+        written = overlap.extents({name: arrays[name] for name in WRITTEN})
+        sources = overlap.extents({f"real_kv_sources[{index}].tensor": source.tensor
+                                   for index, source in enumerate(self.real_kv_sources)})
+        pair = overlap.first_overlap(written, sources, False)   # sources are only read
+        if pair is not None:
+            raise overlap.shared_memory_error(*pair, "a launch of this context")
+        self._written = written
         self._passed = state
         self._library = A.common_library(*A.context_arrays(self).values())
+
+    def written_extents(self) -> overlap.Extents:
+        """The byte extents of the arrays the context's launches write (``WRITTEN``: the
+        canary buffer, which write stores into, the ring and its index, the counters) when it
+        last passed :meth:`validate` (:mod:`kvcanary.model.overlap`)."""
+        return self._written
 
     def library(self) -> str | None:
         """The one library of the context's arrays (source tensors included) when it last
@@ -266,6 +281,12 @@ class CanaryContext:
                    source.read_bytes, A.array_state(source.tensor))
                   for source in self.real_kv_sources),
         )
+
+
+# The context's arrays a launch writes, by their names in errors: verify only reads the
+# canary buffer, but write stores into it, so no other argument of either may share its bytes.
+WRITTEN = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
+           "kernel_run_counter")
 
 
 def _namespace(array):

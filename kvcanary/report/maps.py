@@ -109,13 +109,13 @@ class ReportMaps:
     def __init__(self, dump):
         self.num_slots = dump.num_slots
         self.block_size = int(dump.block_size) if dump.block_table is not None else 0
-        seq_lens = np.asarray(dump.seq_lens, dtype=np.int64)
-        live = np.flatnonzero(np.asarray(dump.req_pool_indices) != 0)
+        live_batch = getattr(dump, "live_batch", None)   # a Dump's skips sparse padding
+        live = live_batch() if live_batch is not None else np.flatnonzero(
+            np.asarray(dump.req_pool_indices) != 0)
         self.live_requests = int(live.size)
-        self.rank = np.full(max(1, dump.batch_size), -1, dtype=np.int64)
-        self.rank[live] = np.arange(live.size)
-        self.request_rows = np.asarray(dump.req_pool_indices, dtype=np.int64)[live]
-        self.positions = int(seq_lens[live].max()) if live.size else 1
+        self.live = live   # a live batch index's rank is its place here
+        self.request_rows = np.asarray(dump.req_pool_indices[live], dtype=np.int64)
+        self.positions = int(np.asarray(dump.seq_lens[live]).max()) if live.size else 1
         self.requests_per_row, self.rows = _grid(live.size, REQUEST_MAP_ROWS)
         self.positions_per_column, self.columns = _grid(self.positions, REQUEST_MAP_COLUMNS)
         cells = self.rows * self.columns
@@ -131,8 +131,10 @@ class ReportMaps:
         self.slot_used = np.zeros(self.num_slots, dtype=bool)
         self.slot_twice = np.zeros(self.num_slots, dtype=bool)
         sweep = getattr(dump, "sweep_positions", None)
-        widest = max(self.positions, int(np.abs(sweep).max()) if sweep is not None and sweep.size
-                     else 0)
+        ranges = dump.row_ranges("sweep_positions") if sweep is not None and sweep.size and \
+            hasattr(dump, "row_ranges") else [(0, 0 if sweep is None else sweep.size)]
+        widest = max([self.positions] + [int(np.abs(sweep[begin:end]).max())
+                                         for begin, end in ranges if end > begin])
         position_type = np.int32 if widest < np.iinfo(np.int32).max else np.int64
         self.slot_position = np.full(self.num_slots, -1, dtype=position_type)
         self.outside_rows = self.sweep_rows = self.unattributed_rows = 0
@@ -140,7 +142,7 @@ class ReportMaps:
     # ------------------------------------------------------------------ aggregation
 
     def _cells(self, batch_index: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        rank = self.rank[batch_index]
+        rank = np.searchsorted(self.live, batch_index)
         column = np.minimum(positions // self.positions_per_column, self.columns - 1)
         return (rank // self.requests_per_row) * self.columns + column
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from ..format.errors import GUARD_PREFIX
-from .signals import Interrupted, signals_held
+from .signals import Interrupted, interrupted_since, interrupts_raised, signals_held
 
 TEMPORARY_SUFFIX = ".partial"
 
@@ -42,13 +42,15 @@ def replacing(path: str, *, directory: bool = False):
     # The writer's process id in the name: the next save can tell a dead writer's leftover
     # (SIGKILL leaves it) from a live concurrent writer's.
     prefix = f".{name}.{os.getpid()}."
-    if directory:
-        temporary = tempfile.mkdtemp(prefix=prefix, suffix=TEMPORARY_SUFFIX, dir=folder)
-    else:
-        handle, temporary = tempfile.mkstemp(prefix=prefix, suffix=TEMPORARY_SUFFIX, dir=folder)
-        os.close(handle)
-    replaced = False
+    temporary, replaced, mark = None, False, interrupts_raised()
     try:
+        with signals_held():   # a signal is raised once the name is known, so it is removed
+            if directory:
+                temporary = tempfile.mkdtemp(prefix=prefix, suffix=TEMPORARY_SUFFIX, dir=folder)
+            else:
+                handle, temporary = tempfile.mkstemp(prefix=prefix, suffix=TEMPORARY_SUFFIX,
+                                                     dir=folder)
+                os.close(handle)
         yield temporary
         os.chmod(temporary, _mode_for(path, directory))
         with signals_held():   # a signal held here is raised after the output is in place
@@ -57,11 +59,40 @@ def replacing(path: str, *, directory: bool = False):
             else:
                 os.replace(temporary, path)
             replaced = True
+            _WRITTEN.count += 1
+            _WRITTEN.last[path] = _WRITTEN.count
     except BaseException as exc:
         if replaced and isinstance(exc, Interrupted):
             exc.output_written = True
-        _remove(temporary)
+        if temporary is not None:
+            _remove(temporary)
+        swallowed = None if isinstance(exc, Interrupted) else interrupted_since(mark)
+        if swallowed is not None:   # an interrupt the writer turned into an error of its own
+            raise swallowed from exc
         raise
+
+
+class _Written:
+    """The outputs this process put in place: how many, and when each path last was."""
+
+    count = 0
+    last: dict = {}
+
+
+_WRITTEN = _Written()
+
+
+def outputs_written() -> int:
+    """How many outputs :func:`replacing` has put in place in this process: a mark for
+    :func:`written_since`."""
+    return _WRITTEN.count
+
+
+def written_since(path: str, mark: int) -> bool:
+    """Whether :func:`replacing` put an output in place at ``path`` (links followed, as it
+    follows them) after ``mark`` (:func:`outputs_written`): what an interrupt's message
+    reports as written, whatever the signal cut after the rename."""
+    return _WRITTEN.last.get(os.path.realpath(path), 0) > mark
 
 
 def remove_stale_temporaries(folder: str, name: str) -> list:

@@ -61,7 +61,10 @@ def signals_raise():
     def handler(signum, frame):
         for s in previous:   # unwinding (killing workers, a last record) must not be cut
             signal.signal(s, signal.SIG_IGN)
-        raise Interrupted(signum)
+        if _HOLD.depth:   # it arrived just before the hold and is handled inside it
+            _HOLD.pending = signum
+            return
+        raise _raised(signum)
 
     for s, old in previous.items():
         if old is not signal.SIG_IGN:
@@ -73,19 +76,62 @@ def signals_raise():
             signal.signal(s, signal.SIG_DFL if old is None else old)
 
 
+class _Hold:
+    """The main thread's holds: how deep, and the stop signal that came during one; and the
+    interrupts raised so far (how many, the last signal)."""
+
+    depth = 0
+    pending = None
+    raised = 0
+    last = None
+
+
+_HOLD = _Hold()
+
+
+def _raised(signum: int) -> Interrupted:
+    _HOLD.raised += 1
+    _HOLD.last = signum
+    return Interrupted(signum)
+
+
+def interrupts_raised() -> int:
+    """How many :class:`Interrupted` this process has raised: a mark for
+    :func:`interrupted_since`."""
+    return _HOLD.raised
+
+
+def interrupted_since(mark: int) -> Interrupted | None:
+    """An :class:`Interrupted` for the last stop signal raised after ``mark``, or None. Code
+    that the interrupt unwound through may have turned it into an error of its own (numpy's
+    ``tofile`` raises ``TypeError`` when an exception interrupts it): the caller raises this
+    instead, so the command stops as interrupted, not with that error."""
+    return Interrupted(_HOLD.last) if _HOLD.raised > mark else None
+
+
 @contextlib.contextmanager
 def signals_held():
-    """Hold SIGINT and SIGTERM back (they are delivered when the block ends) around steps
-    that must not be separated, such as two renames. Signals are per thread: only the
-    calling thread is covered, and threads it starts inherit the hold."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    """Hold the stop signals back (their :class:`Interrupted` is raised when the block ends)
+    around steps that must not be separated, such as two renames, or a rename and noting
+    that it happened. Both halves of a signal are held: its delivery (blocked in the calling
+    thread; threads it starts inherit the block), and in the main thread a signal delivered
+    just before the block whose Python handler would otherwise run, and raise, inside it.
+    Only the main thread raises :class:`Interrupted` (:func:`signals_raise`)."""
+    main = threading.current_thread() is threading.main_thread()
+    blocked = hasattr(signal, "pthread_sigmask")
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if blocked else None
+    if main:
+        _HOLD.depth += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if main:
+            _HOLD.depth -= 1
+            pending, _HOLD.pending = (_HOLD.pending, None) if not _HOLD.depth else (None,) * 2
+            if pending is not None:
+                raise _raised(pending)
 
 
 def _worker_started(parent: int) -> None:

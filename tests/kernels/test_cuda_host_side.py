@@ -5,6 +5,7 @@
                   synchronises or copies to the host on the way
 * mixed_devices   arrays on two GPUs are one clear error naming the array
 * function_cache  kernel functions are looked up once, not on every launch
+* aliasing        an argument over another's device memory is refused, naming both
 
 Each runs on the CuPy installed here, if any, and in a subprocess on each CuPy of
 ``KVCANARY_CUPY_PATHS`` (``pip install --target`` directories joined by ``os.pathsep``):
@@ -33,7 +34,7 @@ def cupy_paths() -> list[str]:
     return [p for p in os.environ.get("KVCANARY_CUPY_PATHS", "").split(os.pathsep) if p]
 
 
-CHECKS = ("conversion", "mixed_devices", "function_cache", "repeat_launch")
+CHECKS = ("conversion", "mixed_devices", "function_cache", "repeat_launch", "aliasing")
 
 
 def assert_passed(cupy_version: str, check: str, cases: dict) -> None:
