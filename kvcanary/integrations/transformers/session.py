@@ -386,10 +386,10 @@ class Session:
             i, position, slot = batch_index[found.finding.key()], found.position, found.slot
             key = (i, position)
             own = (written or {}).get(key) or batch[i].rec.own.get(position) or (None, True)
-            found.explanation = self.explanation_prefix + explain(
-                found.finding, self._evidence(
-                    batch[i].rec, position, slot, batch[i].table, own,
-                    (engine_positions or {}).get(key), (i, position - 1) in self.misread))
+            found.state(explain(found.finding, self._evidence(
+                batch[i].rec, position, slot, batch[i].table, own,
+                (engine_positions or {}).get(key), (i, position - 1) in self.misread)),
+                self.explanation_prefix)
             g.report(found)
     def _evidence(self, rec, position, slot, table, own_write, engine_position,
                   misread_before) -> EngineEvidence:

@@ -271,8 +271,7 @@ class Session:
                 near_slots=tuple(int(table[p]) if 0 <= p < table.size else None
                                  for p in (position - 1, position + 1)),
                 sources="no source")
-            found.explanation = vllm_cause(self, found.finding, ev, r) or explain(
-                found.finding, ev)
+            found.state(vllm_cause(self, found.finding, ev, r) or explain(found.finding, ev))
             found.group = r.group
             g.report(found)
 
