@@ -10,11 +10,10 @@ from collections import deque
 
 import numpy as np
 
+from ... import Merger, RealKvHashMode, Violation
 from ...dump import save as save_dump
-from ...findings.attribution import Merger
-from ...format.consts import HASH_MODE_NAMES, RealKvHashMode
+from ...format.consts import HASH_MODE_NAMES
 from ...format.errors import GUARD_PREFIX, GuardError
-from ...format.violations import Violation
 from ..findings import Finding, Sighting
 from .groups import CacheSession, check_model
 from .hooks import SUPPORTED_RANGE, Hooks, supported_version

@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ...api import launches as api
-from ...findings.attribution import LaunchFinding, attribute
-from ...format.consts import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, LaunchTag, RealKvHashMode
-from ...findings.diagnosis import diagnose, failed_checks
+import kvcanary as api  # the public API: plan, write, verify
+from ... import (CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, CanaryContext, LaunchFinding, LaunchTag,
+                 RealKvHashMode, RealKvSource, VerifyPlan, Violation, ViolationLog, WritePlan,
+                 attribute, diagnose)
+from ...findings.diagnosis import failed_checks
 from ...findings.evidence import Entry
 from ...format.rules import window_start
-from ...model.types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
-from ...format.violations import Violation
 from ..findings import (
     READ_INDEX_MISMATCH,
     WRITE_INDEX_MISMATCH,

@@ -11,10 +11,9 @@ from collections import deque
 
 import numpy as np
 
+from ... import Merger, Violation
 from ...dump import save as save_dump
-from ...findings.attribution import Merger
 from ...format.errors import GuardError
-from ...format.violations import Violation
 from ..findings import Finding, Sighting
 from .session import Session
 

@@ -19,18 +19,16 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ...api import launches as api
-from ...findings.attribution import attribute
-from ...format.bits import SLOT_ZERO_IN_PREFIX as _SLOT_ZERO
-from ...format.consts import CANARY_SLOT_BYTES, LaunchTag
-from ...findings.diagnosis import diagnose
-from ...model.types import CanaryContext, VerifyPlan, ViolationLog, WritePlan
-from ...format.violations import Violation
+import kvcanary as api  # the public API: plan, write, verify
+from ... import (CANARY_SLOT_BYTES, CanaryContext, FailReason, LaunchTag, VerifyPlan, Violation,
+                 ViolationLog, WritePlan, attribute, diagnose)
 from ..findings import EngineEvidence, Sighting, explain, row_reasons, take_ring_rows
 from .causes import vllm_cause
 
 if TYPE_CHECKING:
     from . import Guard
+
+_SLOT_ZERO = int(FailReason.SLOT_ZERO_IN_PREFIX)
 
 
 
