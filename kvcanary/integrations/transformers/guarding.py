@@ -218,8 +218,8 @@ class Guard:
 
     def report(self, finding) -> None:
         if self.on_violation == "log":
-            logger.warning("%s request=%s position=%d: %s", finding.log_line, finding.request_id,
-                           finding.position, finding.explanation)
+            logger.warning("%s request=%s position=%d: likely cause: %s", finding.log_line,
+                           finding.request_id, finding.position, finding.explanation)
         elif self.on_violation == "raise":
             if self.error is None:
                 self.error = GuardError(f"KV-cache violation, generation stopped: "
