@@ -339,6 +339,10 @@ def main(argv=None) -> int:
                         help="run only the mutants whose ids are listed in FILE, one a line "
                              "(e.g. the survivors of a previous run)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - {target.path for target in TARGETS})
+    if unknown:     # a path the layout no longer has would select nothing, silently
+        parser.error(f"--only {unknown[0]}: not a mutated file (they are: "
+                     f"{', '.join(target.path for target in TARGETS)})")
     mutants = all_mutants(args.only)[::max(1, args.every)][args.start - 1:]
     if args.ids:
         wanted = set(args.ids.read_text().splitlines())

@@ -33,3 +33,14 @@ def test_every_equivalent_survivor_is_a_mutant_the_script_makes():
     m = _script()
     ids = {mutant.id for mutant in m.all_mutants([])}
     assert not sorted(set(m.EQUIVALENT) - ids)
+
+
+def test_only_with_a_file_it_does_not_mutate_is_an_error(capsys):
+    m = _script()
+    try:
+        m.main(["--list", "--only", "kvcanary/audit.py"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--only kvcanary/audit.py was accepted")
+    assert "--only kvcanary/audit.py: not a mutated file" in capsys.readouterr().err
