@@ -38,8 +38,8 @@ layer ``i``'s K (or V) rows of every block. torch and transformers are imported 
 from __future__ import annotations
 
 from ...format.errors import GuardError
-from .guarding import (HASH_MODES, MAX_RING_CAPACITY, ON_VIOLATION, PLAN_FROM, SOURCE_PRESETS,
-                       Guard, guard)
+from .guarding import (HASH_MODES, MAX_RING_CAPACITY, ON_VIOLATION, PLAN_FROM,  # noqa: F401
+                       SOURCE_PRESETS, Guard, guard)
 from .hooks import SUPPORTED_RANGE, SUPPORTED_VERSIONS, supported_version
 from .session import Session  # noqa: F401  (tests patch it)
 

@@ -26,8 +26,8 @@ starts.
 from __future__ import annotations
 
 from ...format.errors import GuardError
-from .guarding import ON_VIOLATION, SUPPORTED_RANGE, SUPPORTED_VERSIONS, Guard, guard, \
-    supported_version
+from .guarding import ON_VIOLATION  # noqa: F401  (the plugin's choices)
+from .guarding import SUPPORTED_RANGE, SUPPORTED_VERSIONS, Guard, guard, supported_version
 
 __all__ = ["GuardError", "Guard", "SUPPORTED_RANGE", "SUPPORTED_VERSIONS", "guard",
            "supported_version"]
