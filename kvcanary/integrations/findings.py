@@ -27,8 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from .. import Diagnosis, FailReason, MergedFinding, Violation
+from .. import Diagnosis, MergedFinding, Violation
 from ..findings.causes import Cause
+from ..format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN,
+                           VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
+                           WRITE_POSITION_MISMATCH as _WRITE_POSITION)
 from ..format.violations import reason_labels
 
 READ_INDEX_MISMATCH = "read_index_mismatch"
@@ -36,9 +39,6 @@ WRITE_INDEX_MISMATCH = "write_index_mismatch"
 # Causes of a verify row the shared diagnosis states from the index alone, whatever the
 # engine's evidence: an index outside the buffer or table, padding slot 0 in a live prefix.
 SHARED_CAUSES = (Cause.OUT_OF_RANGE, Cause.SLOT_ZERO)
-_CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-_REAL_KV = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
-_WRITE_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
 
 
 class Sighting(NamedTuple):

@@ -20,15 +20,14 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 import kvcanary as api  # the public API: plan, write, verify
-from ... import (CANARY_SLOT_BYTES, CanaryContext, FailReason, LaunchTag, VerifyPlan, Violation,
-                 ViolationLog, WritePlan, attribute, diagnose)
+from ... import (CANARY_SLOT_BYTES, CanaryContext, LaunchTag, VerifyPlan, Violation, ViolationLog,
+                 WritePlan, attribute, diagnose)
+from ...format.bits import SLOT_ZERO_IN_PREFIX as _SLOT_ZERO
 from ..findings import EngineEvidence, Sighting, explain, row_reasons, take_ring_rows
 from .causes import vllm_cause
 
 if TYPE_CHECKING:
     from . import Guard
-
-_SLOT_ZERO = int(FailReason.SLOT_ZERO_IN_PREFIX)
 
 
 
