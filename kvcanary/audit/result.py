@@ -43,9 +43,9 @@ class Finding:
     diagnosis: Diagnosis | None = None   # the cause with its evidence (``cause`` is its text)
 
     def __post_init__(self):
-        # A cause reaches an audit finding only through its diagnosis, whose cause is a
+        # A cause reaches an audit finding only with its diagnosis, whose cause is a
         # member of findings.causes.Cause (a Diagnosis refuses any other).
-        if self.cause and (self.diagnosis is None or self.cause != self.diagnosis.text):
+        if self.cause and self.diagnosis is None:
             raise ValueError("an audit Finding's cause is the text of its diagnosis "
                              "(a kvcanary.Diagnosis); give the diagnosis")
 
