@@ -170,3 +170,77 @@ def test_the_checker_sees_an_undeclared_import_a_cycle_and_a_loose_module(tmp_pa
         assert "loose.py" in str(exc)
     else:
         raise AssertionError("a module outside the folders passed")
+
+
+# Packages whose exported names (``__all__``) are the public API an integration may use.
+PUBLIC_PACKAGES = ("kvcanary", "kvcanary.dump", "kvcanary.audit")
+
+
+def integration_contract() -> set:
+    """``kvcanary.<folder>.<module>.<name>`` of every name a folder's README lists on its
+    ``Integrations may use:`` line."""
+    names = set()
+    for folder in folders():
+        text = (PACKAGE / folder / "README.md").read_text(encoding="utf-8")
+        for line in re.findall(r"^Integrations may use: *(.*)$", text, re.M):
+            names.update(f"kvcanary.{folder}.{n.strip()}" for n in line.split(",") if n.strip())
+    return names
+
+
+def outside_the_public_api() -> list:
+    """Imports in kvcanary/integrations of anything but another integration module, a public
+    package's exported names and the listed contract names."""
+    import importlib
+
+    exported = {p: set(importlib.import_module(p).__all__) for p in PUBLIC_PACKAGES}
+    contract, found = integration_contract(), []
+    files = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    for listed in contract:
+        module, _, name = listed.rpartition(".")
+        assert module in files and hasattr(importlib.import_module(module), name), \
+            f"an 'Integrations may use:' line names {listed}, which does not exist"
+    for path in sorted((PACKAGE / "integrations").rglob("*.py")):
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                bad = [a.name for a in node.names if a.name.startswith("kvcanary")
+                       and a.name not in PUBLIC_PACKAGES]
+                found += [f"{name}:{node.lineno}: import {b}" for b in bad]
+                continue
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("kvcanary") or target.startswith("kvcanary.integrations"):
+                continue
+            for alias in node.names:
+                if target in exported and alias.name in exported[target]:
+                    continue
+                if f"{target}.{alias.name}" not in contract:
+                    found.append(f"{name}:{node.lineno}: {target}.{alias.name} (neither "
+                                 "exported by a public package nor on an 'Integrations may "
+                                 "use:' line)")
+    return found
+
+
+def test_integrations_use_only_the_public_api():
+    assert outside_the_public_api() == []
+
+
+def test_the_public_api_check_catches_a_folder_import(tmp_path, monkeypatch):
+    # The check reads the files: one private reach into a folder is caught.
+    probe = PACKAGE / "integrations" / "findings.py"
+    text = probe.read_text(encoding="utf-8")
+    original = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self == probe:
+            return text + "\nfrom ..findings.evidence import Evidence\n"
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert any("kvcanary.findings.evidence.Evidence" in f for f in outside_the_public_api())

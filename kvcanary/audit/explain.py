@@ -102,6 +102,28 @@ class ExplainedFinding:
         return (f"request row {e.request_row} (batch index {e.batch_index}), position "
                 f"{e.position}")
 
+    def seen(self) -> str:
+        """``seen N time(s) by TAGS, step S`` (or ``steps F..L``) ``, in SOURCES``."""
+        steps = ("" if self.first_step is None else
+                 f", step {self.first_step}" if self.first_step == self.last_step
+                 else f", steps {self.first_step}..{self.last_step}")
+        return (f"seen {self.count} time(s) by {', '.join(self.launch_tags)}{steps}, in "
+                f"{', '.join(self.sources)}")
+
+    def describe(self) -> str:
+        """The frozen line, then ``  seen ...`` (:meth:`seen`), ``  at: ...`` where a JSON
+        record named the entry, ``  failed checks: ...``, ``  likely cause: ...`` and the
+        patterns, labelled as every finding's :meth:`describe` is."""
+        where = self.where()
+        lines = [self.violation.log_line(), f"  {self.seen()}"]
+        if where:
+            lines.append(f"  at: {where}")
+        lines.append(f"  failed checks: {', '.join(self.checks())}")
+        lines.append(f"  likely cause: {self.diagnosis.text}")
+        if self.patterns:
+            lines.append(f"  patterns: {', '.join(self.patterns)}")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict:
         record = self.violation.to_dict()
         record.update(count=self.count, first_step=self.first_step, last_step=self.last_step,

@@ -42,6 +42,13 @@ class Finding:
     block: int = -1           # paged dumps: the block id there (-1: past the table)
     diagnosis: Diagnosis | None = None   # the cause with its evidence (``cause`` is its text)
 
+    def __post_init__(self):
+        # A cause reaches an audit finding only with its diagnosis, whose cause is a
+        # member of findings.causes.Cause (a Diagnosis refuses any other).
+        if self.cause and self.diagnosis is None:
+            raise ValueError("an audit Finding's cause is the text of its diagnosis "
+                             "(a kvcanary.Diagnosis); give the diagnosis")
+
     def entry(self) -> Entry:
         """The finding's verify entry as the diagnosis names it."""
         return Entry(kind=self.kind, batch_index=self.batch_index,
@@ -65,6 +72,13 @@ class Finding:
         if self.kind == "sweep":
             return f"sweep entry {self.sweep_index}, position {self.position}, {at}"
         return f"{at} (no plan entry reproduces this row)"
+
+    def describe(self) -> str:
+        """The frozen line, then ``  at: ...``, ``  failed checks: ...`` and ``  likely
+        cause: ...``, labelled as every finding's :meth:`describe` is."""
+        return "\n".join((self.violation.log_line(), f"  at: {self.where()}",
+                          f"  failed checks: {', '.join(self.checks) or 'none'}",
+                          f"  likely cause: {self.cause}"))
 
     def to_dict(self) -> dict:
         record = self.violation.to_dict()

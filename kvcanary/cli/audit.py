@@ -80,11 +80,7 @@ def render_text(result, echo) -> None:
     # A write per batch of findings: a flooded dump prints millions of lines, streamed
     # (--max-findings 0 keeps every finding, built a batch at a time).
     for batch in _batches(r.findings):
-        echo("\n".join(line for finding in batch for line in (
-            finding.violation.log_line(),
-            f"  at: {finding.where()}",
-            f"  failed checks: {', '.join(finding.checks) or 'none'}",
-            f"  likely cause: {finding.cause}")))
+        echo("\n".join(finding.describe() for finding in batch))
     if r.findings_cut:
         echo(f"findings: the first {len(r.findings)} of {r.total_violations} are shown; "
              f"{r.findings_omitted} more are counted below (--max-findings 0 shows all)")

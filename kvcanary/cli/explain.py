@@ -23,13 +23,6 @@ from .common import (
 DEFAULT_MAX_FINDINGS = 50
 
 
-def _steps(f) -> str:
-    if f.first_step is None:
-        return ""
-    return (f", step {f.first_step}" if f.first_step == f.last_step
-            else f", steps {f.first_step}..{f.last_step}")
-
-
 def render_text(x, patterns, shown: list, echo) -> None:
     echo(f"explain: {len(x.sources)} input(s), {x.rows} violation row(s) "
          f"({x.json_records} from kvcanary JSON), {len(x.findings)} distinct finding(s)"
@@ -37,17 +30,7 @@ def render_text(x, patterns, shown: list, echo) -> None:
          + (f", {x.canary_marks} line(s) showing the canary ran" if x.canary_marks else ""))
     lines = []
     for number, f in enumerate(shown, 1):
-        v = f.violation
-        lines.append(f"finding {number}: {v.log_line()}")
-        lines.append(f"  seen {f.count} time(s) by {', '.join(f.launch_tags)}{_steps(f)}, in "
-                     f"{', '.join(f.sources)}")
-        where = f.where()
-        if where:
-            lines.append(f"  at: {where}")
-        lines.append(f"  failed checks: {', '.join(f.checks())}")
-        lines.append(f"  likely cause: {f.diagnosis.text}")
-        if f.patterns:
-            lines.append(f"  patterns: {', '.join(f.patterns)}")
+        lines.append(f"finding {number}: {f.describe()}")
     if lines:
         echo("\n".join(lines))
     omitted = len(x.findings) - len(shown)

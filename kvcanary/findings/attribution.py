@@ -19,12 +19,13 @@ Example, after a ``kvcanary.verify`` of ``verify_plan`` built for the batch
                                    prefix_lens=prefix, since=before, launch=step)
         before = context.violation_log.total
         for merged in merger.add(found):         # each distinct corruption once
-            logger.warning(merged.finding.log_line())   # the frozen line, then "  at: ..."
+            logger.warning(merged.finding.describe())   # the frozen line, "  at: ...", ...
     report = merger.findings   # one MergedFinding per distinct corruption
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,10 +65,19 @@ class LaunchFinding:
         return (f"request row {e.request_row} (batch index {e.batch_index}), position "
                 f"{e.position}{block}, slot {s}")
 
+    def describe(self) -> str:
+        """The frozen structured line, then ``  at: ...``, ``  failed checks: ...`` and
+        ``  likely cause: ...``, labelled as every finding's :meth:`describe` is."""
+        return "\n".join((self.violation.log_line(at=self.where()),
+                          f"  failed checks: {', '.join(self.checks) or 'none'}",
+                          f"  likely cause: {self.diagnosis.text}"))
+
     def log_line(self) -> str:
-        """The frozen structured line, then ``  at: ...`` and ``  cause: ...`` lines."""
-        return (self.violation.log_line(at=self.where())
-                + f"\n  cause: {self.diagnosis.text}")
+        """Deprecated alias of :meth:`describe` (a ``log_line`` is the one frozen line
+        elsewhere: :meth:`kvcanary.Violation.log_line`)."""
+        warnings.warn("LaunchFinding.log_line() is deprecated: use describe()",
+                      DeprecationWarning, stacklevel=2)
+        return self.describe()
 
     def to_dict(self) -> dict:
         record = self.violation.to_dict()

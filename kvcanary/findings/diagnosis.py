@@ -77,6 +77,14 @@ class Diagnosis:
         object.__setattr__(self, "cause", Cause(self.cause))
         object.__setattr__(self, "alternatives", tuple(Cause(c) for c in self.alternatives))
 
+    @classmethod
+    def of(cls, cause: Cause, view: str = "", **evidence) -> "Diagnosis":
+        """The diagnosis ``cause`` states in its template ``view``, rendered from
+        ``evidence`` (:meth:`~kvcanary.findings.causes.Cause.render`): how an engine guard
+        states a cause, supplying only the evidence (request ids, slot, block, step, ...)."""
+        cause = Cause(cause)
+        return cls(cause, cause.render(view, **evidence))
+
     def to_dict(self, text: bool = True) -> dict:
         """JSON-ready; ``text=False`` leaves the explanation out (a record that carries it
         already as ``likely_cause``)."""

@@ -8,11 +8,13 @@ any engine):
 
 * :class:`Sighting` -- one flagged (request, position, slot) of one launch, the engine's id
   of the request instead of a batch row (batch rows change from step to step);
-* :class:`Finding` -- a merged sighting with its first and last step, a count and the
-  explanation;
+* :class:`Finding` -- a merged sighting with its first and last step, a count and its
+  likely cause;
 * :func:`explain` -- the likely cause from the row, the shared diagnosis and the engine's
   evidence (:class:`EngineEvidence`: who wrote the record now in the slot, where the request
-  itself wrote the position, which slot the block table names).
+  itself wrote the position, which slot the block table names). Every cause is a member of
+  the one vocabulary, :class:`~kvcanary.findings.causes.Cause`; the guard supplies only the
+  evidence its template renders (:meth:`kvcanary.Diagnosis.of`), never its own sentence.
 
 Besides the canary's fail reasons (``FailReason`` labels such as ``verify_position``) a guard
 adds two checks of its own, named like them: ``read_index_mismatch`` (attention gathers a
@@ -22,16 +24,15 @@ written to a slot other than the one the block table maps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ..findings.attribution import MergedFinding
+from .. import Diagnosis, MergedFinding, Violation
+from ..findings.causes import Cause
 from ..format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN,
                            VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
                            WRITE_POSITION_MISMATCH as _WRITE_POSITION)
-from ..findings.causes import Cause
-from ..findings.diagnosis import Diagnosis
-from ..format.violations import Violation, reason_labels
+from ..format.violations import reason_labels
 
 READ_INDEX_MISMATCH = "read_index_mismatch"
 WRITE_INDEX_MISMATCH = "write_index_mismatch"
@@ -70,9 +71,15 @@ class Finding(MergedFinding):
     block_size + offset``); ``reasons`` fail-reason labels plus the guard's own checks;
     ``count`` how many forward steps saw it, from ``first_step`` to ``last_step``;
     ``violation`` the first ring row (None for a guard check alone), ``log_line`` its frozen
-    ``kv_canary violation:`` line; ``explanation`` the likely cause."""
+    ``kv_canary violation:`` line; ``diagnosis`` the likely cause (a
+    :class:`~kvcanary.Diagnosis`: ``cause``, a :class:`~kvcanary.findings.causes.Cause`, and
+    its sentence), stated with :meth:`state`; ``explanation`` that sentence, after the cache
+    group's name where a model has several; ``group`` the cache group (its name, or vLLM's
+    group index), None where the engine has one."""
 
-    explanation: str = ""
+    diagnosis: Diagnosis | None = None
+    group: object = None
+    explanation_prefix: str = ""
 
     request_id = property(lambda self: self.finding.request_id)
     position = property(lambda self: self.finding.position)
@@ -82,6 +89,26 @@ class Finding(MergedFinding):
     first_step = property(lambda self: self.first_launch)
     last_step = property(lambda self: self.last_launch)
 
+    def state(self, diagnosis: Diagnosis, prefix: str = "") -> None:
+        """Give the finding its likely cause (``prefix``: words before its sentence, e.g.
+        ``"sliding_attention group: "``). Raises ``TypeError`` for anything but a
+        :class:`~kvcanary.Diagnosis`, whose cause is always a member of ``Cause``."""
+        if not isinstance(diagnosis, Diagnosis):
+            raise TypeError(f"a finding's cause is a kvcanary.Diagnosis (a Cause and its "
+                            f"sentence), got {type(diagnosis).__name__}")
+        self.diagnosis, self.explanation_prefix = diagnosis, prefix
+
+    @property
+    def cause(self) -> Cause | None:
+        """The likely cause (a :class:`~kvcanary.findings.causes.Cause`), None before
+        :meth:`state`."""
+        return None if self.diagnosis is None else self.diagnosis.cause
+
+    @property
+    def explanation(self) -> str:
+        """The likely cause in words (after the group's name where there are several)."""
+        return "" if self.diagnosis is None else self.explanation_prefix + self.diagnosis.text
+
     @property
     def log_line(self) -> str:
         if self.violation is None:
@@ -89,18 +116,31 @@ class Finding(MergedFinding):
                     f"position={self.position}")
         return self.violation.log_line()
 
-    def describe(self) -> str:
+    def where(self) -> str:
+        """``request R position P (slot S, block B), step N`` (or ``steps F..L (C times)``)."""
         seen = (f"step {self.first_step}" if self.count == 1 else
                 f"steps {self.first_step}..{self.last_step} ({self.count} times)")
-        return (f"{self.log_line}\n  request {self.request_id} position {self.position} "
-                f"(slot {self.slot}, block {self.block}), {seen}\n  {self.explanation}")
+        return (f"request {self.request_id} position {self.position} (slot {self.slot}, "
+                f"block {self.block}), {seen}")
+
+    def describe(self) -> str:
+        """The frozen line, then ``  at: ...`` (:meth:`where`) and ``  likely cause: ...``,
+        labelled as every finding's :meth:`describe` is."""
+        return f"{self.log_line}\n  at: {self.where()}\n  likely cause: {self.explanation}"
 
     def to_dict(self) -> dict:
+        """JSON-ready: the fields above, ``likely_cause`` (and ``explanation``, the same
+        words, as the guard's findings have always named them) and ``diagnosis`` (``cause``,
+        ``certain``, ...) as an audit's findings carry them."""
         out = {k: getattr(self, k) for k in ("request_id", "position", "slot", "block",
                                              "first_step", "last_step", "count",
                                              "explanation")}
+        out["likely_cause"] = self.explanation
+        out["diagnosis"] = None if self.diagnosis is None else self.diagnosis.to_dict(text=False)
         out["reasons"] = list(self.reasons)
         out["violation"] = None if self.violation is None else self.violation.to_dict()
+        if self.group is not None:
+            out["group"] = self.group
         return out
 
 
@@ -116,8 +156,9 @@ class EngineEvidence:
     blocks; ``near_slots``: the table slots of positions ``position - 1`` and ``position + 1``;
     ``own_followed``: whether that write went where the block table said at the time;
     ``misread_before``: whether this step gathered position ``position - 1`` from a wrong slot;
-    ``history``: the cause the allocator's history names for the slot's block (freed while
-    held, handed to another request, remapped, a stale prefix-cache entry), None if none;
+    ``history``: the :class:`~kvcanary.Diagnosis` the allocator's history states for the
+    slot's block (freed while held, handed to another request, remapped, a stale
+    prefix-cache entry, a fork's wrong copy), None if none;
     ``moved``: how the reader legitimately came to hold the block (``"de-duplicated at step
     7"``, ``"prefix at step 3"``), never itself a cause."""
 
@@ -133,111 +174,117 @@ class EngineEvidence:
     sources: str = ""
     own_followed: bool = True
     misread_before: bool = False
-    history: str | None = None
+    history: Diagnosis | None = None
     moved: str | None = None
 
 
-def explain(sighting: Sighting, ev: EngineEvidence) -> str:
-    """The likely cause of one finding, in one or two sentences: the engine's evidence where
-    it tells more than the canary records (who wrote the slot, where the request wrote it,
-    what the block table maps), the sighting's shared diagnosis for an index outside the
-    buffer, padding slot 0, and a chain link that alone fails."""
+def explain(sighting: Sighting, ev: EngineEvidence) -> Diagnosis:
+    """The likely cause of one finding: a :class:`~kvcanary.Diagnosis` whose cause is a
+    :class:`~kvcanary.findings.causes.Cause` and whose text is that cause's template rendered
+    from the engine's evidence where it tells more than the canary records (who wrote the
+    slot, where the request wrote it, what the block table maps, the allocator's history);
+    the sighting's shared diagnosis for an index outside the buffer, padding slot 0, and a
+    chain link that alone fails."""
     reasons, violation = sighting.reasons, sighting.violation
     bits = 0 if violation is None else int(violation.fail_reason_bits)
-    at = f"slot {ev.slot}"
     if READ_INDEX_MISMATCH in reasons:
-        return (f"misread: attention gathered position {ev.position} of {ev.request_id} from "
-                f"{at}, but the block table maps that position to slot {ev.table_slot}; the "
-                "read indices are wrong (the write path is not involved)")
+        return Diagnosis.of(Cause.MISREAD, request=ev.request_id, position=ev.position,
+                            slot=ev.slot, table_slot=ev.table_slot)
     if WRITE_INDEX_MISMATCH in reasons:
         shift = _shift(ev.slot, ev.near_slots)
         if shift and bits & _WRITE_POSITION:
-            return (f"the position offset of {ev.request_id} is shifted by {shift:+d}: the "
-                    f"token at position {ev.position} was written with position id "
-                    f"{ev.engine_position} into the slot of position {ev.position + shift}")
+            return Diagnosis.of(Cause.OFFSET_SHIFTED, "write", request=ev.request_id,
+                                shift=shift, position=ev.position,
+                                engine_position=ev.engine_position,
+                                shifted=ev.position + shift)
         if ev.trash:
-            return (f"lost write: the KV of {ev.request_id} position {ev.position} went to the "
-                    f"engine's trash block ({at}) instead of slot {ev.table_slot}")
+            return Diagnosis.of(Cause.LOST_WRITE, "write", request=ev.request_id,
+                                position=ev.position, slot=ev.slot, table_slot=ev.table_slot)
         victim = (f", a slot {ev.writer[0]} holds for its position {ev.writer[1]}"
                   if ev.writer and ev.writer[0] != ev.request_id else "")
-        return (f"misdirected write: {ev.request_id} wrote position {ev.position} into {at}"
-                f"{victim} instead of its own slot {ev.table_slot}")
+        return Diagnosis.of(Cause.MISDIRECTED_WRITE, "write", request=ev.request_id,
+                            position=ev.position, slot=ev.slot, victim=victim,
+                            table_slot=ev.table_slot)
     if sighting.diagnosis is not None and sighting.diagnosis.cause in SHARED_CAUSES:
-        return sighting.diagnosis.text
+        return sighting.diagnosis
     if sighting.diagnosis is not None and sighting.diagnosis.cause is Cause.WRITE_INPUT:
         # No write index check failed with it: the write went where the block table says.
-        return (f"{ev.request_id}: {sighting.diagnosis.text} (written to the slot the block "
-                "table maps)")
+        return replace(sighting.diagnosis, text=f"{ev.request_id}: {sighting.diagnosis.text} "
+                       "(written to the slot the block table maps)")
     if bits == _REAL_KV:
-        return (f"the KV bytes of {at} ({ev.sources}) changed after they were written; the "
-                "record still matches token, position and chain: the KV tensor was "
-                "overwritten or corrupted in place")
-    kv = (" The slot's KV bytes no longer match its record either." if bits & _REAL_KV else "")
-    return _mapping_cause(violation, ev, sighting.diagnosis) + kv
+        return Diagnosis.of(Cause.KV_BYTES_CHANGED, slot=ev.slot, sources=ev.sources)
+    found = _mapping_cause(violation, ev, sighting.diagnosis)
+    if bits & _REAL_KV:
+        return replace(found, text=found.text + KV_ALSO_CHANGED)
+    return found
 
 
-def _mapping_cause(v: Violation | None, ev: EngineEvidence, diagnosis=None) -> str:
-    """The record at the slot is not this request's position: say whose it is and why
-    (the shared ``diagnosis`` where the engine's evidence adds nothing)."""
+# Added to the cause of a record that is not the reader's when its KV bytes fail too.
+KV_ALSO_CHANGED = " The slot's KV bytes no longer match its record either."
+
+
+def _mapping_cause(v: Violation | None, ev: EngineEvidence, diagnosis=None) -> Diagnosis:
+    """The record at the slot is not this request's position: whose it is and why (the
+    shared ``diagnosis`` where the engine's evidence adds nothing)."""
     writer = ev.writer
     holds = ("nothing this session" if writer is None else
              f"{writer[0]}'s record of position {writer[1]} (written at step {writer[2]})")
     if ev.own_slot is not None and ev.own_slot != ev.slot:
         shift = _shift(ev.own_slot, ev.near_slots)
         if shift:
-            return (f"{ev.request_id} wrote position {ev.position} into the slot of position "
-                    f"{ev.position + shift}: its position offset was shifted by {shift:+d}, so "
-                    f"slot {ev.slot} holds {holds}")
+            return Diagnosis.of(Cause.OFFSET_SHIFTED, request=ev.request_id,
+                                position=ev.position, shifted=ev.position + shift, shift=shift,
+                                slot=ev.slot, holds=holds)
         if ev.trash:
-            return (f"lost write: {ev.request_id} position {ev.position} was written to the "
-                    f"trash block, so slot {ev.slot} holds {holds}")
+            return Diagnosis.of(Cause.LOST_WRITE, request=ev.request_id, position=ev.position,
+                                slot=ev.slot, holds=holds)
         if not ev.own_followed:
-            return (f"{ev.request_id}'s write of position {ev.position} was misdirected to slot "
-                    f"{ev.own_slot}, so its own slot {ev.slot} holds {holds}")
+            return Diagnosis.of(Cause.MISDIRECTED_WRITE, request=ev.request_id,
+                                position=ev.position, own_slot=ev.own_slot, slot=ev.slot,
+                                holds=holds)
         if ev.history:
             return ev.history
         if ev.moved:
-            return (f"slot {ev.slot} holds {holds}, not {ev.request_id}'s position "
-                    f"{ev.position}; {ev.request_id} reads it there since the engine moved its "
-                    f"entry ({_moved(ev.moved)}), a legitimate move: what changed the block "
-                    "after that is the fault")
-        return (f"{ev.request_id} wrote position {ev.position} to slot {ev.own_slot} but now "
-                f"reads it from slot {ev.slot}, which holds {holds}: its block-table entry was "
-                "changed after the write (remapped onto another block)")
+            return Diagnosis.of(Cause.CHANGED_AFTER_MOVE, slot=ev.slot, holds=holds,
+                                request=ev.request_id, position=ev.position,
+                                moved=_moved(ev.moved))
+        return Diagnosis.of(Cause.REMAPPED, request=ev.request_id, position=ev.position,
+                            own_slot=ev.own_slot, slot=ev.slot, holds=holds)
     if writer is not None and writer[0] != ev.request_id and ev.own_slot == ev.slot:
         if not writer[3]:
-            return (f"{writer[0]} wrote its position {writer[1]} into slot {ev.slot} at step "
-                    f"{writer[2]}, a slot {ev.request_id} still holds for position "
-                    f"{ev.position}: a misdirected write by {writer[0]}")
+            return Diagnosis.of(Cause.MISDIRECTED_WRITE, "victim", writer=writer[0],
+                                writer_position=writer[1], slot=ev.slot, writer_step=writer[2],
+                                request=ev.request_id, position=ev.position)
         if ev.history:
             return ev.history
-        return (f"slot {ev.slot} of {ev.request_id} position {ev.position} was overwritten by "
-                f"{writer[0]} (its position {writer[1]}, step {writer[2]}): the block was freed "
-                "or handed to another request while still referenced, then reused")
+        return Diagnosis.of(Cause.OVERWRITTEN, slot=ev.slot, request=ev.request_id,
+                            position=ev.position, writer=writer[0], writer_position=writer[1],
+                            writer_step=writer[2])
     if ev.history:
         return ev.history
     if writer is None:
-        return (f"slot {ev.slot} was never written this session, yet {ev.request_id} reads "
-                f"position {ev.position} from it")
+        return Diagnosis.of(Cause.NEVER_WRITTEN, slot=ev.slot, request=ev.request_id,
+                            position=ev.position)
     if v is not None and int(v.fail_reason_bits) == _CHAIN and ev.misread_before:
-        return (f"the record of {ev.request_id} position {ev.position} is intact; its chain "
-                f"link fails because this step gathered position {ev.position - 1} from a wrong "
-                "slot (a misread)")
+        return Diagnosis.of(Cause.MISREAD, "successor", request=ev.request_id,
+                            position=ev.position, previous=ev.position - 1)
     if v is not None and int(v.fail_reason_bits) == _CHAIN and diagnosis is not None:
-        return diagnosis.text       # which of the two records changed: the shared rule
+        return diagnosis            # which of the two records changed: the shared rule
     if v is not None and writer[:2] == (ev.request_id, ev.position) and v.position != ev.position:
-        return (f"slot {ev.slot} holds the record {ev.request_id} wrote for position "
-                f"{ev.position} at step {writer[2]}, stored with position id {v.position}: that "
-                f"write's position id was off by {v.position - ev.position:+d}")
+        return Diagnosis.of(Cause.WRITE_INPUT, "position", slot=ev.slot, request=ev.request_id,
+                            position=ev.position, step=writer[2], stored_position=v.position,
+                            offset=v.position - ev.position)
     if v is not None and writer[:2] == (ev.request_id, ev.position):
-        return (f"slot {ev.slot} holds the token {v.stored_token} that {ev.request_id} wrote "
-                f"for position {ev.position} at step {writer[2]}, but the request's token there "
-                f"is {v.expected_token}: its token ids and positions disagree (an input id or "
-                "the position offset is off)")
+        return Diagnosis.of(Cause.WRITE_INPUT, "token", slot=ev.slot,
+                            stored_token=v.stored_token, request=ev.request_id,
+                            position=ev.position, step=writer[2],
+                            expected_token=v.expected_token)
     if ev.moved:
-        return (f"slot {ev.slot} holds {holds}, not {ev.request_id}'s position {ev.position} "
-                f"({ev.request_id} holds the block by a legitimate move: {_moved(ev.moved)})")
-    return f"slot {ev.slot} holds {holds}, not {ev.request_id}'s position {ev.position}"
+        return Diagnosis.of(Cause.CHANGED_AFTER_MOVE, "held", slot=ev.slot, holds=holds,
+                            request=ev.request_id, position=ev.position,
+                            moved=_moved(ev.moved))
+    return Diagnosis.of(Cause.FOREIGN_RECORD, slot=ev.slot, holds=holds,
+                        request=ev.request_id, position=ev.position)
 
 
 def _moved(moved: str) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 import kvcanary
 from kvcanary.api import launches as api
+from kvcanary.findings import causes
 from kvcanary.format import hashing, rules
 from kvcanary.model import types
 
@@ -29,7 +30,8 @@ def test_every_public_callable_has_a_docstring(name):
         assert ">>>" in doc and "in place" in doc, name
 
 
-@pytest.mark.parametrize("module", [api, types, hashing, rules], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [api, types, hashing, rules, causes],
+                         ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -173,9 +173,12 @@ def test_engine_rows_map_back_to_request_and_position_and_merge_across_launches(
     alias = by_position[2]
     assert (alias.entry.request_row, alias.entry.batch_index) == (2, 1)
     assert alias.diagnosis.cause == "shared-slot"
-    line = alias.log_line()
+    line = alias.describe()
     assert line.splitlines()[0] == alias.violation.log_line()
     assert "\n  at: request row 2 (batch index 1), position 2, slot 3" in line
+    assert line.endswith(f"\n  likely cause: {alias.diagnosis.text}")
+    with pytest.warns(DeprecationWarning, match="describe"):
+        assert alias.log_line() == line
     merged = merger.findings
     assert len(merged) == len(found) and all(m.count == 3 for m in merged)
     assert (merged[0].first_launch, merged[0].last_launch) == (0, 2)

@@ -33,7 +33,7 @@ def assert_reports_the_remap(lines):
     # where (position 3) and why (the mapping is shifted).
     assert any("slot_idx=12 position=2" in line and "verify_position" in line for line in rows)
     assert "  at: request row 1 (batch index 0), position 3, slot 12" in lines
-    assert any(line.startswith("  cause:") and "shifted by -1" in line for line in lines)
+    assert any(line.startswith("  likely cause:") and "shifted by -1" in line for line in lines)
     # The README shows what it prints.
     shown = re.search(r"It prints [^\n]*:\n\n```\n(.*?)```", README.read_text(encoding="utf-8"),
                       re.S).group(1)

@@ -4,6 +4,7 @@ finding (a Diagnosis refuses it)."""
 
 import ast
 import json
+import string
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,66 @@ def test_every_cause_named_in_the_source_is_a_member():
     assert names, "no Diagnosis(...) found"
     unknown = sorted(n for n in names if n[1] not in CAUSES)
     assert not unknown, unknown
+
+
+def _stated_calls():
+    """Every ``Diagnosis.of(Cause.X, "view", field=...)`` in kvcanary: (file, line, cause
+    name, view, keyword names); and the files that make a Diagnosis any other way."""
+    calls, other = [], []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "of" and \
+                    getattr(f.value, "id", None) == "Diagnosis":
+                first = node.args[0]
+                assert isinstance(first, ast.Attribute) and first.value.id == "Cause", \
+                    f"{path.name}:{node.lineno}: Diagnosis.of names its cause as Cause.X"
+                view = node.args[1].value if len(node.args) > 1 else ""
+                assert all(k.arg for k in node.keywords), \
+                    f"{path.name}:{node.lineno}: name the evidence fields (no **fields)"
+                calls.append((path, node.lineno, first.attr, view,
+                              {k.arg for k in node.keywords}))
+            elif getattr(f, "id", None) == "Diagnosis":
+                other.append(path)
+    return calls, other
+
+
+def test_an_engine_guard_states_causes_only_through_the_templates():
+    # The integrations supply evidence; the sentence is the Cause's own template.
+    calls, other = _stated_calls()
+    integrations = PACKAGE / "integrations"
+    assert not [p for p in other if integrations in p.parents], \
+        "an integration writes a Diagnosis's text itself: use Diagnosis.of(Cause.X, ...)"
+    used = {(name, view) for path, _, name, view, _ in calls if integrations in path.parents}
+    assert len(used) >= 25, sorted(used)       # the guards' causes all come this way
+    for path, line, name, view, fields in calls:
+        cause = Cause[name]
+        assert view in cause.templates, f"{path.name}:{line}: {name} has no template {view!r}"
+        wanted = {f for _, f, _, _ in string.Formatter().parse(cause.templates[view]) if f}
+        assert fields == wanted, f"{path.name}:{line}: {name}/{view!r} renders {sorted(wanted)}"
+
+
+def test_every_template_renders_its_fields_and_says_which_is_missing():
+    for cause in Cause:
+        for view, template in cause.templates.items():
+            wanted = {f for _, f, _, _ in string.Formatter().parse(template) if f}
+            text = cause.render(view, **{f: 1 for f in wanted})
+            assert "{" not in text and text, (cause, view)
+    with pytest.raises(KeyError, match="cause misread, template '': no evidence field"):
+        Cause.MISREAD.render(request="r")
+    with pytest.raises(KeyError, match="cause shared-slot has no template 'vllm'"):
+        Cause.SHARED_SLOT.render("vllm")
+    d = Diagnosis.of(Cause.REMAPPED, "history", request="r", block=3, step=9)
+    assert d.cause is Cause.REMAPPED and d.text.startswith("r's block-table entry")
+
+
+def test_an_audit_finding_gets_its_cause_only_from_a_diagnosis():
+    from kvcanary.audit.result import Finding
+
+    v = Violation(2, 5, 0, 0, -1, 0, 1, 1)
+    with pytest.raises(ValueError, match="text of its diagnosis"):
+        Finding(v, "request", cause="a cause nobody defined")
+    d = diagnose(v)
+    assert Finding(v, "request", cause=d.text, diagnosis=d).diagnosis.cause in Cause

@@ -8,8 +8,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import kvcanary as kc
+from kvcanary import Diagnosis, diagnose
+from kvcanary.findings.causes import Cause
 from kvcanary.integrations import findings as F
 from test_import_isolation import BLOCKER
 
@@ -78,10 +81,15 @@ def test_sightings_merge_per_request_with_first_last_and_count():
     first, second = merger.findings
     assert (first.first_step, first.last_step, first.count) == (4, 9, 3)
     assert (second.request_id, second.count, second.slot, second.block) == ("req_2", 1, 7, 0)
-    first.explanation = F.explain(first.finding, F.EngineEvidence("req_1", 3, 7, 7, sources="k0"))
+    first.state(F.explain(first.finding, F.EngineEvidence("req_1", 3, 7, 7, sources="k0")))
+    assert first.cause is Cause.KV_BYTES_CHANGED
     assert "changed after they were written" in first.explanation and "(k0)" in first.explanation
-    assert first.to_dict()["reasons"] == ["verify_real_kv_hash"]
-    assert "steps 4..9 (3 times)" in first.describe()
+    record = first.to_dict()
+    assert record["reasons"] == ["verify_real_kv_hash"]
+    assert record["diagnosis"]["cause"] == "kv-bytes-changed"
+    assert record["likely_cause"] == record["explanation"] == first.explanation
+    text = first.describe()
+    assert "steps 4..9 (3 times)" in text and f"  likely cause: {first.explanation}" in text
 
 
 def test_an_index_outside_the_buffer_is_explained_by_the_shared_diagnosis():
@@ -89,8 +97,8 @@ def test_an_index_outside_the_buffer_is_explained_by_the_shared_diagnosis():
     assert [f.diagnosis.cause for f in found] == ["out-of-range"]
     sighting = F.Sighting("req_2", 0, 20, 2, ("slot_out_of_range",), found[0].violation, 3,
                           found[0].diagnosis)
-    text = F.explain(sighting, F.EngineEvidence("req_2", 0, 20, 20))
-    assert text == found[0].diagnosis.text and "outside the canary buffer" in text
+    stated = F.explain(sighting, F.EngineEvidence("req_2", 0, 20, 20))
+    assert stated == found[0].diagnosis and "outside the canary buffer" in stated.text
 
 
 def test_integrations_import_without_torch():
@@ -100,3 +108,48 @@ def test_integrations_import_without_torch():
                       "for m in sys.modules)\nprint('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def _every_engine_situation():
+    """(sighting, evidence) pairs reaching every branch of the guards' explanation."""
+    bits = kc.FailReason
+    rows = {"position": int(bits.VERIFY_POSITION_MISMATCH),
+            "chain": int(bits.VERIFY_CHAIN_HASH_MISMATCH),
+            "kv": int(bits.VERIFY_REAL_KV_HASH_MISMATCH),
+            "kv+position": int(bits.VERIFY_REAL_KV_HASH_MISMATCH | bits.VERIFY_POSITION_MISMATCH),
+            "write": int(bits.WRITE_POSITION_MISMATCH)}
+    history = Diagnosis.of(Cause.FREED_WHILE_HELD, block=1, step=2, request="a", then="")
+    for name, b in rows.items():
+        for stored in (3, 5):
+            v = kc.Violation(2, 7, stored, 1, 1, 0, 0, b)
+            for reasons in ((), (F.READ_INDEX_MISMATCH,), (F.WRITE_INDEX_MISMATCH,)):
+                s = F.Sighting("a", 3, 7, 0, tuple(v.labels) + reasons, v, 4, diagnose(v))
+                for writer in (None, ("a", 3, 1, True), ("b", 9, 2, True), ("b", 9, 2, False)):
+                    for own in (None, 7, 8, 6, 2):
+                        for extra in (dict(), dict(trash=True), dict(own_followed=False),
+                                      dict(history=history), dict(moved="prefix at step 1"),
+                                      dict(misread_before=True)):
+                            yield s, F.EngineEvidence("a", 3, 7, 7, writer=writer, own_slot=own,
+                                                      near_slots=(6, 8), engine_position=4,
+                                                      sources="k0", **extra)
+
+
+def test_every_cause_a_guard_finding_carries_is_a_member_of_the_vocabulary():
+    stated = [F.explain(s, ev) for s, ev in _every_engine_situation()]
+    assert all(isinstance(d, Diagnosis) and d.cause in Cause and d.text for d in stated)
+    causes = {d.cause for d in stated}
+    assert {Cause.MISREAD, Cause.OFFSET_SHIFTED, Cause.LOST_WRITE, Cause.MISDIRECTED_WRITE,
+            Cause.REMAPPED, Cause.FREED_WHILE_HELD, Cause.OVERWRITTEN, Cause.KV_BYTES_CHANGED,
+            Cause.CHANGED_AFTER_MOVE, Cause.WRITE_INPUT, Cause.NEVER_WRITTEN} <= causes, causes
+    # A finding takes its cause only as a Diagnosis (whose cause is always a member).
+    merger = kc.Merger(key=F.Sighting.key, kind=F.Finding)
+    found, = merger.add([_sighting("req_1", 1)])
+    with pytest.raises(TypeError, match="a finding's cause is a kvcanary.Diagnosis"):
+        found.state("the slot went bad somehow")
+    with pytest.raises(AttributeError):
+        found.explanation = "the slot went bad somehow"
+    with pytest.raises(ValueError, match="not a valid Cause"):
+        found.state(Diagnosis("went-bad", "the slot went bad somehow"))
+    assert found.cause is None and found.explanation == ""
+    found.state(stated[0], "sliding_attention group: ")
+    assert found.explanation == "sliding_attention group: " + stated[0].text

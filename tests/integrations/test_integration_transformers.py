@@ -24,6 +24,7 @@ from transformers.generation.continuous_batching.input_outputs import (  # noqa:
 )
 
 from kvcanary.cli import main  # noqa: E402
+from kvcanary.findings.causes import Cause  # noqa: E402
 from kvcanary.integrations import transformers as kvt  # noqa: E402
 
 if not kvt.supported_version(transformers.__version__):
@@ -75,7 +76,16 @@ def run(model, *, inputs=None, forks=1, new_tokens=8, cb=None, **guard_kw):
         outputs = model.generate_batch(inputs=inputs or prompts(),
                                        generation_config=generation(forks, new_tokens),
                                        continuous_batching_config=cb or batching())
+    assert_causes_are_the_vocabulary(guard.findings())
     return guard, outputs
+
+
+def assert_causes_are_the_vocabulary(findings):
+    """Every cause a guard's finding carries is a member of the one Cause enum, stated in
+    its words (the cache group's name before it where a model has several)."""
+    for f in findings:
+        assert f.cause in Cause and f.explanation.endswith(f.diagnosis.text), f.describe()
+        assert f.to_dict()["diagnosis"]["cause"] == f.cause.value
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (.ci/run installs it i
                                    "its own; see docs/engines.md)")
 import vllm_engine as ve  # noqa: E402
 
+from kvcanary.findings.causes import Cause  # noqa: E402
 from kvcanary.integrations import vllm as kvv  # noqa: E402
 
 CONFIGS = [
@@ -85,6 +86,8 @@ def _run_until(engine, g, found, steps=200):
                 engine.step()
             except (AssertionError, ValueError, RuntimeError):
                 break           # vLLM's own checks trip later on the injected fault
+    for f in found:             # every cause is a member of the one vocabulary
+        assert f.cause in Cause and f.explanation == f.diagnosis.text, f.describe()
     return found
 
 
@@ -116,7 +119,7 @@ def test_block_freed_while_referenced(tmp_model):
     assert f.request_id == victim.request_id and f.block == block.block_id
     assert f.position // engine.cfg.block_size == \
         engine.scheduler.kv_cache_manager.get_blocks(victim.request_id).blocks[0].index(block)
-    assert "freed while still referenced" in f.explanation
+    assert "freed while still referenced" in f.explanation and f.cause is Cause.FREED_WHILE_HELD
 
 
 def test_prefix_cache_hash_collision(tmp_model):
@@ -143,6 +146,7 @@ def test_prefix_cache_hash_collision(tmp_model):
     assert (f.request_id, f.position) == ("b", 0)
     assert "verify_token" in f.reasons
     assert "hash collision" in f.explanation and "a's tokens" in f.explanation
+    assert f.cause is Cause.PREFIX_COLLISION
 
 
 def test_request_reading_the_null_block(tmp_model):
@@ -171,7 +175,7 @@ def test_request_reading_the_null_block(tmp_model):
     f = found[0]
     assert f.slot == 0 and "slot_zero_in_prefix" in f.reasons
     assert f.position % engine.cfg.block_size == 0
-    assert "null block" in f.explanation
+    assert "null block" in f.explanation and f.cause is Cause.SLOT_ZERO
 
 
 def test_evicted_cached_block_handed_out_while_mapped(tmp_model):
@@ -191,7 +195,7 @@ def test_evicted_cached_block_handed_out_while_mapped(tmp_model):
     assert found
     f = found[0]
     assert f.request_id == "b" and f.position < 32
-    assert "evicted cached block" in f.explanation
+    assert "evicted cached block" in f.explanation and f.cause is Cause.HANDED_TO_ANOTHER
 
 
 def test_preempted_request_resumed_onto_wrong_blocks(tmp_model):
@@ -226,6 +230,7 @@ def test_preempted_request_resumed_onto_wrong_blocks(tmp_model):
     f = found[0]
     assert (f.request_id, f.block) == (rid, wrong) and f.position < engine.cfg.block_size
     assert "resumed after preemption" in f.explanation and "wrong blocks" in f.explanation
+    assert f.cause is Cause.RESUMED_WRONG_BLOCKS
 
 
 def test_guard_checks_version_and_arguments(tmp_model, monkeypatch):

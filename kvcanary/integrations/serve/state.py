@@ -106,9 +106,9 @@ class ServeState:
             if self._log is not None:
                 self._log.write(self._log_block(finding, entry) + "\n")
                 self._log.flush()
-        logger.warning("%s request=%s position=%d http_request=%s: %s", finding.log_line,
-                       finding.request_id, finding.position, entry["http_request_id"],
-                       finding.explanation)
+        logger.warning("%s request=%s position=%d http_request=%s: likely cause: %s",
+                       finding.log_line, finding.request_id, finding.position,
+                       entry["http_request_id"], finding.explanation)
         message = (f"{GUARD_PREFIX}KV-cache violation in this request ({reason} at position "
                    f"{finding.position}); the request was ended: {finding.explanation}")
         if self.on_violation == "abort-request":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...format.consts import RealKvHashMode
+from ... import RealKvHashMode
 from ...model.types import to_host
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...format.consts import LaunchTag
+from ... import LaunchTag
 from ...model.types import to_host
 from ...format.errors import GuardError
 from .session import Session, host_array

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ... import Diagnosis
+from ...findings.causes import Cause
+
 EVENTS_PER_BLOCK = 4
 
 
@@ -116,47 +119,45 @@ class AllocatorHistory:
             return False
         return have == compute_block_hash(parent, list(tokens[i * self.page:(i + 1) * self.page]))
 
-    def cause(self, reader: str, block: int, writer) -> str | None:
+    def cause(self, reader: str, block: int, writer) -> Diagnosis | None:
         """The cause, from the history, that ``reader`` finds another record (``writer``:
-        ``(request, position, step, followed)`` of the slot's last write) in ``block``; None
-        when the history names none (then the facts alone are stated)."""
+        ``(request, position, step, followed)`` of the slot's last write) in ``block``, as a
+        :class:`~kvcanary.Diagnosis`; None when the history names none (then the facts alone
+        are stated)."""
         how = self.got.get(reader, {}).get(block)
-        by = "" if writer is None else (
+        then = "" if writer is None else (
             f", then {writer[0]} wrote its position {writer[1]} there at step {writer[2]}")
         copied = self.copies.get(block)
         parent = reader.rsplit("__child#", 1)[0] if "__child#" in reader else None
         if copied is not None and parent is not None and parent not in copied[1] and \
                 how is not None and how[1] == "allocated":
             src, held = copied
-            return (f"the fork of {parent} copied block {src} into {reader}'s block {block}, but "
-                    f"{parent} does not hold block {src} (held by {', '.join(held) or 'nobody'}): "
-                    "the fork copied another request's block")
+            return Diagnosis.of(Cause.FORK_COPIED_WRONG_BLOCK, parent=parent, source=src,
+                                request=reader, block=block,
+                                holders=", ".join(held) or "nobody")
         events = [e for e in self.events.get(block, ()) if reader in e[2]]
         kinds = {kind: (step, others) for step, kind, _, others in events}   # the latest
         if "freed" in kinds:
-            return (f"block {block} was freed at step {kinds['freed'][0]} while {reader} still "
-                    f"held it{by}: the block was freed while held and reused")
+            return Diagnosis.of(Cause.FREED_WHILE_HELD, block=block, step=kinds["freed"][0],
+                                request=reader, then=then)
         if "remapped" in kinds:
-            return (f"{reader}'s block-table entry was changed to block {block} at step "
-                    f"{kinds['remapped'][0]}, which holds none of its content: the entry was "
-                    "remapped onto another block")
+            return Diagnosis.of(Cause.REMAPPED, "history", request=reader, block=block,
+                                step=kinds["remapped"][0])
         if "handed" in kinds:
             step, others = kinds["handed"]
-            return (f"block {block} was handed to {', '.join(others)} at step {step} while "
-                    f"{reader} still held it{by}")
+            return Diagnosis.of(Cause.HANDED_TO_ANOTHER, block=block, others=", ".join(others),
+                                step=step, request=reader, then=then)
         freed = [(step, requests) for step, kind, requests, _ in self.events.get(block, ())
                  if kind in ("freed", "handed")]
         why = "" if not freed else (
             f"; block {block} was freed at step {freed[-1][0]} while "
             f"{', '.join(freed[-1][1])} still held it, and its hash stayed in the cache")
         if how is not None and how[1] == "prefix":
-            return (f"{reader} got block {block} from the prefix cache at step {how[0]} (its "
-                    f"content hash matched {reader}'s tokens){by}: a stale prefix-cache "
-                    f"entry{why}")
+            return Diagnosis.of(Cause.STALE_PREFIX_ENTRY, request=reader, block=block,
+                                step=how[0], then=then, why=why)
         if how is not None and how[1] == "prefix-mismatch":
-            return (f"{reader} got block {block} from the prefix cache at step {how[0]}, but the "
-                    f"block's content hash is not that of {reader}'s tokens there: a stale "
-                    f"prefix-cache entry (the hash names a block that holds other content){why}")
+            return Diagnosis.of(Cause.STALE_PREFIX_ENTRY, "hash-differs", request=reader,
+                                block=block, step=how[0], why=why)
         return None
 
     def move(self, reader: str, block: int) -> str | None:

@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ...api import launches as api
-from ...findings.attribution import LaunchFinding, attribute
-from ...format.consts import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, LaunchTag, RealKvHashMode
-from ...findings.diagnosis import diagnose, failed_checks
+import kvcanary as api  # the public API: plan, write, verify
+from ... import (CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, CanaryContext, LaunchFinding, LaunchTag,
+                 RealKvHashMode, RealKvSource, VerifyPlan, Violation, ViolationLog, WritePlan,
+                 attribute, diagnose)
+from ...findings.diagnosis import failed_checks
 from ...findings.evidence import Entry
 from ...format.rules import window_start
-from ...model.types import CanaryContext, RealKvSource, VerifyPlan, ViolationLog, WritePlan
-from ...format.violations import Violation
 from ..findings import (
     READ_INDEX_MISMATCH,
     WRITE_INDEX_MISMATCH,
@@ -386,10 +385,10 @@ class Session:
             i, position, slot = batch_index[found.finding.key()], found.position, found.slot
             key = (i, position)
             own = (written or {}).get(key) or batch[i].rec.own.get(position) or (None, True)
-            found.explanation = self.explanation_prefix + explain(
-                found.finding, self._evidence(
-                    batch[i].rec, position, slot, batch[i].table, own,
-                    (engine_positions or {}).get(key), (i, position - 1) in self.misread))
+            found.state(explain(found.finding, self._evidence(
+                batch[i].rec, position, slot, batch[i].table, own,
+                (engine_positions or {}).get(key), (i, position - 1) in self.misread)),
+                self.explanation_prefix)
             g.report(found)
     def _evidence(self, rec, position, slot, table, own_write, engine_position,
                   misread_before) -> EngineEvidence:

@@ -17,159 +17,17 @@ checks are rebuilt from it alone (:mod:`.session`). Records are planned, written
 verified per KV cache group over one canary buffer for vLLM's block pool; hybrid models
 (full and sliding-window groups) get a table per group. Bookkeeping only: this mode sees no
 KV bytes (``sources`` is always none), so it finds blocks mapped, freed, cached or resumed
-wrongly, not a changed KV byte. :mod:`.plugin` installs it in a deployment. vLLM is imported
-only when a guard starts.
+wrongly, not a changed KV byte. :mod:`.guarding` holds :func:`guard` and :class:`Guard`,
+:mod:`.causes` what only vLLM's bookkeeping tells about a finding; :mod:`.plugin` installs it
+in a deployment; this module re-exports the public names. vLLM is imported only when a guard
+starts.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections import deque
-
-import numpy as np
-
-from ...findings.attribution import Merger
-from ...dump import save as save_dump
 from ...format.errors import GuardError
-from ...format.violations import Violation
-from ..findings import Finding, Sighting
-from .session import Session
-
-logger = logging.getLogger("kvcanary")
-
-# Versions whose scheduler output and KV cache manager have the fields used here.
-SUPPORTED_VERSIONS = ((0, 32), (0, 33))   # first and last supported minor, inclusive
-SUPPORTED_RANGE = ">=0.32,<0.34"
-ON_VIOLATION = ("log", "raise")
-
-
-def supported_version(version: str) -> bool:
-    """Whether ``version`` (a vLLM ``__version__``) lies in ``SUPPORTED_RANGE``."""
-    parts = version.split(".")
-    try:
-        major_minor = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        return False
-    return SUPPORTED_VERSIONS[0] <= major_minor <= SUPPORTED_VERSIONS[1]
-
-
-def guard(scheduler, *, check_tokens: bool = True, on_violation="log",
-          ring_capacity: int = 4096) -> "Guard":
-    """A guard for ``scheduler`` (a vLLM v1 ``Scheduler``); use it as a context manager.
-
-    ``check_tokens``: verify stored token ids against each request's tokens (finds a
-    prefix-cache hit on another prefix's block). ``on_violation``: ``"log"`` (a WARNING on
-    the ``kvcanary`` logger per new finding, its first line SGLang's ``kv_canary
-    violation:`` line), ``"raise"`` (``schedule`` raises :class:`GuardError`) or a callable
-    receiving each new :class:`~kvcanary.integrations.findings.Finding`.
-
-    Raises :class:`GuardError` for a vLLM version outside ``SUPPORTED_RANGE``, a scheduler
-    without a KV cache manager, or a bad argument."""
-    import vllm
-
-    if not supported_version(vllm.__version__):
-        raise GuardError(f"vLLM {vllm.__version__} is not supported by "
-                         f"kvcanary.integrations.vllm (supported: vllm{SUPPORTED_RANGE})")
-    if not callable(on_violation) and on_violation not in ON_VIOLATION:
-        raise GuardError("on_violation must be 'log', 'raise' or a callable, got "
-                         f"{on_violation!r}")
-    if not callable(getattr(scheduler, "schedule", None)) or \
-            getattr(scheduler, "kv_cache_config", None) is None:
-        raise GuardError("guard() needs a vLLM v1 Scheduler, got "
-                         f"{type(scheduler).__name__}")
-    sizes = {int(g.kv_cache_spec.block_size) for g in scheduler.kv_cache_config.kv_cache_groups}
-    if len(sizes) != 1:
-        raise GuardError(f"KV cache groups of different block sizes {sorted(sizes)} "
-                         "are not supported")
-    if int(ring_capacity) < 1:
-        raise GuardError(f"ring_capacity must be >= 1, got {ring_capacity!r}")
-    return Guard(scheduler, bool(check_tokens), on_violation, int(ring_capacity))
-
-
-class Guard:
-    """Guards one scheduler while its ``with`` block runs (see :func:`guard`). Outside the
-    block the scheduler is exactly as it was."""
-
-    def __init__(self, scheduler, check_tokens, on_violation, ring_capacity):
-        self.scheduler = scheduler
-        self.check_tokens = check_tokens
-        self.on_violation = on_violation
-        self.ring_capacity = ring_capacity
-        self.merger = Merger(key=Sighting.key, kind=Finding)
-        self.raw_rows = []
-        self.stats = dict(steps=0, entries_verified=0, tokens_written=0, ring_rows=0,
-                          rows_dropped=0, groups=len(scheduler.kv_cache_config.kv_cache_groups))
-        self.step_times = deque(maxlen=1 << 16)   # guard seconds of the latest steps
-        self.session = Session(self, scheduler)
-        self._inside = False
-        self._error = None
-
-    def __enter__(self) -> "Guard":
-        if self._inside:
-            raise GuardError("this guard is already active")
-        s = self.scheduler
-        self._had_own = "schedule" in s.__dict__
-        self._own = s.__dict__.get("schedule")
-        original = s.schedule
-
-        def schedule(*args, **kwargs):
-            out = original(*args, **kwargs)
-            start = time.perf_counter()
-            self._error = None
-            self.session.on_schedule(out)
-            self.step_times.append(time.perf_counter() - start)
-            if self._error is not None:
-                raise self._error
-            return out
-
-        schedule.__wrapped__ = original
-        s.schedule = schedule
-        self._inside = True
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        if self._had_own:
-            self.scheduler.schedule = self._own
-        else:
-            self.scheduler.__dict__.pop("schedule", None)
-        self._inside = False
-        return False
-
-    def findings(self) -> list:
-        """One :class:`~kvcanary.integrations.findings.Finding` per distinct problem, in
-        order of first sight (``request_id`` is vLLM's; ``group`` the KV cache group)."""
-        return self.merger.findings
-
-    def violations(self) -> list:
-        """Every raw ring row as ``(step, Violation)``, in the order the launches gave them."""
-        return [(step, Violation.from_row(row)) for step, row in self.raw_rows]
-
-    def summary(self) -> dict:
-        """``steps``, ``entries_verified``, ``tokens_written``, ``findings``, ring rows,
-        dropped rows, ``groups`` and the median guard time per step (``guard_ms_median``;
-        ``guard.step_times`` holds the latest 65536 steps' seconds)."""
-        times = np.array(self.step_times or [0.0])
-        return dict(self.stats, findings=len(self.merger),
-                    guard_ms_median=float(np.median(times) * 1e3))
-
-    def dump(self, path) -> str:
-        """Write the last guarded step (full-attention group 0) as a kvcanary dump."""
-        if self.session.last is None:
-            raise GuardError("guard.dump needs at least one guarded step")
-        return save_dump(path, **self.session.dump_arrays())
-
-    def report(self, finding) -> None:
-        if self.on_violation == "log":
-            logger.warning("%s request=%s position=%d: %s", finding.log_line, finding.request_id,
-                           finding.position, finding.explanation)
-        elif self.on_violation == "raise":
-            if self._error is None:
-                self._error = GuardError("KV-cache violation: "
-                                         f"{finding.describe()}", finding)
-        else:
-            self.on_violation(finding)
-
+from .guarding import ON_VIOLATION  # noqa: F401  (the plugin's choices)
+from .guarding import SUPPORTED_RANGE, SUPPORTED_VERSIONS, Guard, guard, supported_version
 
 __all__ = ["GuardError", "Guard", "SUPPORTED_RANGE", "SUPPORTED_VERSIONS", "guard",
            "supported_version"]

@@ -1,9 +1,14 @@
 """Causes of a finding that only vLLM's bookkeeping can name: how the request got the block
 (its own allocation, a prefix-cache hit when it was admitted, a hit when it was resumed after
 preemption), who wrote the slot since, and what vLLM's block pool says about the block now.
-Everything else is the shared explanation (:func:`kvcanary.integrations.findings.explain`)."""
+Each is a member of the one vocabulary (:class:`~kvcanary.findings.causes.Cause`) rendered
+from vLLM's evidence; everything else is the shared explanation
+(:func:`kvcanary.integrations.findings.explain`)."""
 
 from __future__ import annotations
+
+from ... import Diagnosis
+from ...findings.causes import Cause
 
 _TOKEN = "verify_token"
 
@@ -21,14 +26,15 @@ def _pool_state(session, block: int) -> str:
            f"{', '.join(mapping) or 'none'}"
 
 
-def vllm_cause(session, sighting, ev, row) -> str | None:
-    """The cause in vLLM's terms, or None to leave it to the shared explanation."""
+def vllm_cause(session, sighting, ev, row) -> Diagnosis | None:
+    """The cause in vLLM's terms (a :class:`~kvcanary.Diagnosis` of a
+    :class:`~kvcanary.findings.causes.Cause`, rendered from vLLM's evidence), or None to
+    leave it to the shared explanation."""
     reasons = sighting.reasons
     bs = session.block_size
     if "slot_zero_in_prefix" in reasons:
-        return (f"{ev.request_id} reads position {ev.position} (group {row.group}) from vLLM's "
-                "null block 0: its block table names the null block where the block holding "
-                "that position belongs, so attention reads padding instead of its KV")
+        return Diagnosis.of(Cause.SLOT_ZERO, "vllm", request=ev.request_id,
+                            position=ev.position, group=row.group)
     if not any(r.startswith("verify_") for r in reasons):
         return None
     block = ev.slot // bs
@@ -40,23 +46,20 @@ def vllm_cause(session, sighting, ev, row) -> str | None:
     other, their_position, step = writer[0], writer[1], writer[2]
     pool = _pool_state(session, block)
     if how == "own":
-        return (f"block {block} of {ev.request_id} (position {ev.position}, which it wrote "
-                f"itself) was handed to {other}, which wrote its position {their_position} "
-                f"there at step {step} while {ev.request_id} still maps the block: a block "
-                f"freed while still referenced, then reused ({pool})")
+        return Diagnosis.of(Cause.FREED_WHILE_HELD, "vllm", block=block, request=ev.request_id,
+                            position=ev.position, writer=other, writer_position=their_position,
+                            writer_step=step, pool=pool)
     if step > since:
-        return (f"{ev.request_id} got block {block} from the prefix cache at step {since}; "
-                f"{other} wrote its position {their_position} there at step {step}, while "
-                f"{ev.request_id} still maps the block: an evicted cached block handed out to "
-                f"another request while a running request maps it ({pool})")
+        return Diagnosis.of(Cause.HANDED_TO_ANOTHER, "cached", request=ev.request_id,
+                            block=block, since=since, writer=other,
+                            writer_position=their_position, writer_step=step, pool=pool)
     if how == "resumed":
-        return (f"{ev.request_id} was resumed after preemption at step {since} onto block "
-                f"{block}, which holds {other}'s position {their_position} (written at step "
-                f"{step}), not its own position {ev.position}: a preempted request resumed "
-                "onto the wrong blocks")
+        return Diagnosis.of(Cause.RESUMED_WRONG_BLOCKS, "vllm", request=ev.request_id,
+                            since=since, block=block, writer=other,
+                            writer_position=their_position, writer_step=step,
+                            position=ev.position)
     if _TOKEN in reasons or sighting.violation is not None:
-        return (f"prefix-cache hash collision: {ev.request_id} hit cached block {block} at step "
-                f"{since} for its positions {index * bs}..{index * bs + bs - 1}, but the block "
-                f"holds {other}'s tokens (written at step {step}), which differ from "
-                f"{ev.request_id}'s: two different prefixes map to one cached block")
+        return Diagnosis.of(Cause.PREFIX_COLLISION, "vllm", request=ev.request_id, block=block,
+                            since=since, first=index * bs, last=index * bs + bs - 1,
+                            writer=other, writer_step=step)
     return None

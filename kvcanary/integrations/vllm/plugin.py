@@ -35,7 +35,8 @@ GUARDS: list = []       # the guards this process installed
 
 def options() -> dict:
     """:func:`kvcanary.integrations.vllm.guard` keyword arguments from the environment."""
-    from . import ON_VIOLATION, GuardError
+    from ...format.errors import GuardError
+    from .guarding import ON_VIOLATION
 
     on_violation = os.environ.get("KVCANARY_VLLM_ON_VIOLATION", "log")
     if on_violation not in ON_VIOLATION:
@@ -75,7 +76,8 @@ def register() -> None:
 
 
 def _install(scheduler) -> None:
-    from . import GuardError, guard
+    from ...format.errors import GuardError
+    from .guarding import guard
 
     try:
         g = guard(scheduler, **options())

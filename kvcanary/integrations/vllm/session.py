@@ -19,13 +19,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ...api import launches as api
-from ...findings.attribution import attribute
+import kvcanary as api  # the public API: plan, write, verify
+from ... import (CANARY_SLOT_BYTES, CanaryContext, LaunchTag, VerifyPlan, Violation, ViolationLog,
+                 WritePlan, attribute, diagnose)
 from ...format.bits import SLOT_ZERO_IN_PREFIX as _SLOT_ZERO
-from ...format.consts import CANARY_SLOT_BYTES, LaunchTag
-from ...findings.diagnosis import diagnose
-from ...model.types import CanaryContext, VerifyPlan, ViolationLog, WritePlan
-from ...format.violations import Violation
 from ..findings import EngineEvidence, Sighting, explain, row_reasons, take_ring_rows
 from .causes import vllm_cause
 
@@ -271,8 +268,7 @@ class Session:
                 near_slots=tuple(int(table[p]) if 0 <= p < table.size else None
                                  for p in (position - 1, position + 1)),
                 sources="no source")
-            found.explanation = vllm_cause(self, found.finding, ev, r) or explain(
-                found.finding, ev)
+            found.state(vllm_cause(self, found.finding, ev, r) or explain(found.finding, ev))
             found.group = r.group
             g.report(found)
 
