@@ -42,7 +42,10 @@ def violation_rows(kernel_kind, slot, position, stored_token, expected_token,
                    stored_chain_hash, expected_aux, bits) -> np.ndarray:
     """Stack per-field arrays (or scalars, broadcast) into ``int64[n, 8]`` ring rows, the
     fields in ring order."""
-    columns = np.broadcast_arrays(*(as_i64(c) for c in (
-        kernel_kind, slot, position, stored_token, expected_token,
-        stored_chain_hash, expected_aux, bits)))
+    fields = (kernel_kind, slot, position, stored_token, expected_token, stored_chain_hash,
+              expected_aux, bits)
+    if any(type(c) is np.ndarray and c.size == 0 for c in fields):
+        # No rows: most launches break no rule, and each launch asks once per rule.
+        return np.zeros((0, VIOLATION_FIELDS), dtype=np.int64)
+    columns = np.broadcast_arrays(*(as_i64(c) for c in fields))
     return np.stack(columns, axis=-1).reshape(-1, VIOLATION_FIELDS)

@@ -27,11 +27,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import numpy as np
+
 from .. import Diagnosis, MergedFinding, Violation
 from ..findings.causes import Cause
 from ..format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN,
                            VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
                            WRITE_POSITION_MISMATCH as _WRITE_POSITION)
+from ..format.consts import VIOLATION_FIELDS
 from ..format.violations import reason_labels
 
 READ_INDEX_MISMATCH = "read_index_mismatch"
@@ -309,10 +312,12 @@ def take_ring_rows(log, guard, step: int):
     """A guarded launch's ring rows, taken out of ``log`` (a ``kvcanary.ViolationLog``, cleared
     after): counted in ``guard.stats`` (``ring_rows``, ``rows_dropped``) and kept, with
     ``step``, in ``guard.raw_rows``. Returns the rows, int64 ``(n, 8)``."""
+    total = log.total          # one read of the ring's index (a device copy on a GPU)
+    if not total:
+        return np.zeros((0, VIOLATION_FIELDS), dtype=np.int64)
     rows = log.rows()
-    guard.stats["ring_rows"] += log.total
+    guard.stats["ring_rows"] += total
     guard.stats["rows_dropped"] += log.dropped
     guard.raw_rows.extend((step, row) for row in rows)
-    if log.total:
-        log.clear()
+    log.clear()
     return rows

@@ -33,6 +33,7 @@ from ... import LaunchTag
 from ...model.types import to_host
 from ...format.errors import GuardError
 from .session import Session, host_array
+from .stepbatch import slot_grid
 
 if TYPE_CHECKING:    # the guard module imports this one
     from . import Guard
@@ -85,28 +86,29 @@ class _SlidingSession(Session):
         # longer so that the out-of-buffer marker (num_slots) reaches verify as itself.
         self.lut = self.xp.arange(self.num_slots + 1, dtype=self.xp.int64)
 
-    def table_slots(self, request_id: str, length: int) -> np.ndarray:
-        """The ring slot of positions ``[0, length)`` (``num_slots`` past the blocks)."""
-        blocks = np.asarray(self.allocator.block_table.get(request_id, ()), dtype=np.int64)
-        return _ring_slots(blocks, length, self.window, self.page, self.num_slots)
-
-    def step_table(self, request_id: str, past: int, query: int, length: int) -> np.ndarray:
-        slots = self.table_slots(request_id, length)
-        slots[:max(0, past - self.swa_window_size)] = 0          # slid out of the window
-        slots[past:max(past, past + query - self.window)] = 0    # a long chunk's trash
+    def step_tables(self, block_lists, past: np.ndarray, query: np.ndarray,
+                    width: int) -> np.ndarray:
+        """The ring slot of each position (``num_slots`` past the blocks), 0 for positions
+        that slid out of the window and for a long chunk's trashed tokens."""
+        ring = np.arange(width, dtype=np.int64) % self.window
+        slots = slot_grid(block_lists, ring // self.page, ring % self.page, self.page,
+                          self.num_slots)
+        columns = np.arange(width)[None, :]
+        slots[columns < (past - self.swa_window_size)[:, None]] = 0      # slid out
+        slots[(columns >= past[:, None])
+              & (columns < (past + query - self.window)[:, None])] = 0   # a long chunk's trash
         return slots
 
-    def read_span(self, engine_past: int, query: int) -> tuple:
-        cached = min(engine_past, self.swa_window_size)
+    def read_span(self, engine_past: np.ndarray, query: np.ndarray) -> tuple:
+        cached = np.minimum(engine_past, self.swa_window_size)
         return cached + query, engine_past - cached     # then one sentinel per new token
 
-    def written_slots(self, io, batch, total: int) -> np.ndarray:
+    def written_slots(self, io, batch, planned: np.ndarray) -> np.ndarray:
         if io.use_block_table:
-            return super().written_slots(io, batch, total)
-        physical = host_array(io.write_index_storage[self.group_index, :total])
+            return super().written_slots(io, batch, planned)
+        physical = host_array(io.write_index_storage[self.group_index, :planned.size])
         written = self.to_slots(physical)
-        expected = np.concatenate([b.table[b.past:b.past + b.query] for b in batch])
-        written[(expected == 0) & (physical == self.allocator.write_trash_index)] = 0
+        written[(planned == 0) & (physical == self.allocator.write_trash_index)] = 0
         return written
 
     def dump_table(self, last) -> dict:

@@ -23,6 +23,7 @@ table of the last step (dropped when the request leaves the tables).
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import chain
 
 from ... import Diagnosis
 from ...findings.causes import Cause
@@ -65,15 +66,14 @@ class AllocatorHistory:
         """Compare the allocator with the last step. ``tokens_of(request_id)``: the request's
         token ids (prompt + generated), or None when the engine no longer knows it."""
         a = self.allocator
-        tables = {rid: tuple(int(b) for b in blocks) for rid, blocks in a.block_table.items()}
-        holders = defaultdict(list)
-        for rid, blocks in tables.items():
-            for b in set(blocks):
-                holders[b].append(rid)
+        tables = {rid: tuple(map(int, blocks)) for rid, blocks in a.block_table.items()}
+        holders = _Holders(tables)
         hashes = a.ledger.block_to_hash
         fresh = defaultdict(list)   # block -> requests the pool gave it to this step
         for rid, blocks in tables.items():
             old = self.tables.get(rid)
+            if old == blocks and rid in self.got:
+                continue            # the same table as the last step: every block was seen
             got = self.got.setdefault(rid, {})
             for i, b in enumerate(blocks):
                 if b in got and (old is None or i >= len(old) or old[i] == b):
@@ -85,22 +85,22 @@ class AllocatorHistory:
                     else:
                         got[b] = (step, "remapped")
                         self._note(b, step, "remapped", (rid,))
-                elif old is None and (b in hashes or len(holders[b]) > 1):
+                elif old is None and (b in hashes or len(holders.of(b, every=True)) > 1):
                     # The engine shares a block with a new request only through a prefix hit.
                     got[b] = (step, "prefix" if legit else "prefix-mismatch")
                 else:
                     got[b] = (step, "allocated")
                     fresh[b].append(rid)
-        free = {int(leaf) for tree in a.pool._free_blocks[a.index].trees.values()
-                for leaf in tree}
-        for b in free & holders.keys():
-            self._note(b, step, "freed", holders[b])
+        free = set(chain.from_iterable(a.pool._free_blocks[a.index].trees.values()))
+        for b in sorted(free & set(chain.from_iterable(tables.values()))):
+            self._note(b, step, "freed", holders.of(b))
         for b, given in fresh.items():
-            before = [rid for rid in holders[b] if rid not in given]
+            before = [rid for rid in holders.of(b) if rid not in given]
             if before:              # handed out by the pool while others still held it
                 self._note(b, step, "handed", before, given)
-        for rid in set(self.got) - set(tables):
-            del self.got[rid]
+        if len(self.got) > len(tables):
+            for rid in set(self.got) - set(tables):
+                del self.got[rid]
         self.tables = tables
 
     def _hash_matches(self, blocks, i: int, tokens) -> bool:
@@ -167,3 +167,21 @@ class AllocatorHistory:
         if how is None or how[1] not in ("de-duplicated", "prefix"):
             return None
         return f"{how[1]} at step {how[0]}"
+
+
+class _Holders:
+    """Which requests hold a block, from one step's tables: looked up per block (a step
+    asks about a few blocks), or all at once when a step asks about many (new requests)."""
+
+    def __init__(self, tables: dict):
+        self.tables, self.every = tables, None
+
+    def of(self, block: int, every: bool = False) -> list:
+        if every and self.every is None:
+            self.every = defaultdict(list)
+            for rid, blocks in self.tables.items():
+                for b in set(blocks):
+                    self.every[b].append(rid)
+        if self.every is not None:
+            return self.every.get(block, [])
+        return [rid for rid, blocks in self.tables.items() if block in blocks]

@@ -15,7 +15,7 @@ records, offloading carries them, and the last step is kept for the dump.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,30 +38,20 @@ from ..findings import (
 from ...format.errors import GuardError
 from . import dumps
 from .history import AllocatorHistory
+from .stepbatch import StepBatch, TokenCache, slot_grid
 
 if TYPE_CHECKING:    # the guard module imports this one
     from . import Guard
 
 
-class _InBatch(NamedTuple):
-    """One request of the step being guarded."""
-
-    rec: "_Request"
-    query: int          # tokens this step writes
-    engine_past: int    # the engine's position offset before the step
-    past: int           # kvcanary's own count of the request's tokens before the step
-    table: np.ndarray   # the block table's slots of positions [0, past + query + 1)
-    read: np.ndarray    # the slots verified for positions [0, past)
-    tokens: np.ndarray  # the request's token ids (prompt + generated)
-
-
 class _Request:
-    __slots__ = ("request_id", "state", "length", "own", "restored")
+    __slots__ = ("request_id", "state", "length", "own", "restored", "token_cache")
 
     def __init__(self, request_id, state, length):
         self.request_id, self.state, self.length = request_id, state, length
         self.own = {}   # position -> (slot it was written to, whether the table named it)
         self.restored = False
+        self.token_cache = TokenCache()
 
 
 class Session:
@@ -115,6 +105,7 @@ class Session:
         self.last = None
         self.processor = None     # the batch processor of the last guarded step
         self.history = AllocatorHistory(allocator)
+        self.batch = self.verify_plan = self.write_plan = None
 
     def _sources(self, copy_view) -> list:
         """``[(name, RealKvSource)]``: each a zero-copy view of one layer's K or V rows (the
@@ -163,25 +154,19 @@ class Session:
         slots[bad] = self.num_slots
         return slots
 
-    def table_slots(self, request_id: str, length: int) -> np.ndarray:
-        """The block table's slots of positions ``[0, length)`` (``num_slots`` past it)."""
-        blocks = np.asarray(self.allocator.block_table.get(request_id, ()), dtype=np.int64)
-        positions = np.arange(length, dtype=np.int64)
-        index = positions // self.page
-        inside = index < blocks.size
-        slots = np.full(length, self.num_slots, dtype=np.int64)
-        slots[inside] = blocks[index[inside]] * self.page + positions[inside] % self.page
-        return slots
+    def step_tables(self, block_lists, past: np.ndarray, query: np.ndarray,
+                    width: int) -> np.ndarray:
+        """The slots this step expects, ``int64[requests, width]``: per request (its block
+        table's blocks, ``past`` tokens cached and ``query`` written now) and position, the
+        block table's slot (``num_slots`` past its blocks)."""
+        positions = np.arange(width, dtype=np.int64)
+        return slot_grid(block_lists, positions // self.page, positions % self.page,
+                         self.page, self.num_slots)
 
-    def step_table(self, request_id: str, past: int, query: int, length: int) -> np.ndarray:
-        """The slots this step expects for positions ``[0, length)`` of a request with
-        ``past`` tokens cached and ``query`` written now: the block table's."""
-        return self.table_slots(request_id, length)
-
-    def read_span(self, engine_past: int, query: int) -> tuple:
-        """``(count, first)``: how many read indices the engine lists for one request, and
-        the position the first one reads (all cached positions, then the new tokens)."""
-        return engine_past + query, 0
+    def read_span(self, engine_past: np.ndarray, query: np.ndarray) -> tuple:
+        """``(count, first)`` per request: how many read indices the engine lists for it,
+        and the position the first one reads (all cached positions, then the new tokens)."""
+        return engine_past + query, np.zeros_like(engine_past)
 
     # -- one forward step
 
@@ -200,74 +185,76 @@ class Session:
         active = processor.scheduler.active_requests
         self.history.observe(self.step, lambda rid: None if rid not in active else
                              active[rid].initial_tokens + active[rid].generated_tokens)
-        batch = []
         read_all, row = None, self.group_index
         if not io.use_block_table and io.max_kv_read > 0 and io.true_read_sizes[row] > 0:
             read_all = self.to_slots(
                 host_array(io.read_index_storage[row, :io.true_read_sizes[row]]))
-        read_at = 0
-        for future in io.requests_in_batch:
-            state = future.state
-            q = int(future.query_length)
-            engine_past = int(state.position_offset) - q
-            rec = self.requests.get(state.request_id)
-            if rec is None or rec.state is not state or rec.restored:
-                if rec is None or rec.state is not state:
-                    rec = _Request(state.request_id, state, engine_past)
-                    self.requests[state.request_id] = rec
-                rec.length, rec.restored = engine_past, False
-            past = rec.length
-            reach = max(past, engine_past) + q + 1
-            table = self.step_table(state.request_id, past, q, reach)
-            read = table[:past].copy()
-            if read_all is not None:
-                count, first = self.read_span(engine_past, q)
-                got = read_all[read_at:read_at + count]
-                read_at += count
-                if g.plan_from == "read_indices":
-                    low = max(first, past - self.swa_window_size if self.swa_window_size else 0)
-                    high = min(past, engine_past, first + got.size)
-                    read[low:high] = got[low - first:high - first]
-            tokens = np.asarray(state.initial_tokens + state.generated_tokens, dtype=np.int64)
-            batch.append(_InBatch(rec, q, engine_past, past, table, read, tokens))
-        self.batch = batch
+        self.batch = batch = self._gather(io.requests_in_batch)
+        if read_all is not None and g.plan_from == "read_indices":
+            batch.read_from(read_all, *self.read_span(batch.engine_past, batch.query),
+                            self.swa_window_size)
         self._plan_and_verify(batch)
 
-    def _plan_and_verify(self, batch) -> None:
+    def _gather(self, futures) -> StepBatch:
+        """The step's requests as one :class:`StepBatch`; the loop walks the engine's request
+        objects only (kvcanary's record of each, its lengths), the rest is arrays."""
+        requests, recs, query, engine_past = self.requests, [], [], []
+        for future in futures:
+            state = future.state
+            q = int(future.query_length)
+            ep = int(state.position_offset) - q
+            rec = requests.get(state.request_id)
+            if rec is None or rec.state is not state or rec.restored:
+                if rec is None or rec.state is not state:
+                    rec = _Request(state.request_id, state, ep)
+                    requests[state.request_id] = rec
+                rec.length, rec.restored = ep, False
+            recs.append(rec)
+            query.append(q)
+            engine_past.append(ep)
+        n = len(recs)
+        query = np.array(query, dtype=np.int64)
+        engine_past = np.array(engine_past, dtype=np.int64)
+        past = np.fromiter((rec.length for rec in recs), dtype=np.int64, count=n)
+        width = int((np.maximum(past, engine_past) + query).max()) + 1 if n else 1
+        tables = self.allocator.block_table
+        table = self.step_tables([tables.get(rec.request_id, ()) for rec in recs], past,
+                                 query, width)
+        return StepBatch(recs, query, engine_past, past, table,
+                         [rec.token_cache.tokens(rec.state) for rec in recs])
+
+    def _plan_and_verify(self, batch: StepBatch) -> None:
         g, xp, n = self.guard, self.xp, len(batch)
-        lengths = [past + q for _, q, _, past, _, _, _ in batch]
-        width = max(1, max(lengths))
+        prefix, extend = batch.past, batch.query
+        width = max(1, int((prefix + extend).max())) if n else 1
+        columns = np.arange(width)[None, :]
         table = np.zeros((n + 1, width), dtype=np.int64)
-        pool = np.full((n + 1, width), -1, dtype=np.int64)
-        valid = np.zeros(n, dtype=np.int64)
-        for i, (rec, q, _, past, slots, read, tokens) in enumerate(batch):
-            table[i + 1, :past + q] = slots[:past + q]
-            table[i + 1, :past] = read
-            valid[i] = min(tokens.size, width)
-            pool[i + 1, :valid[i]] = tokens[:valid[i]]
-        prefix = np.array([b.past for b in batch], dtype=np.int64)
-        extend = np.array([b.query for b in batch], dtype=np.int64)
+        table[1:] = np.where(columns < prefix[:, None], batch.read[:, :width],
+                             np.where(columns < (prefix + extend)[:, None],
+                                      batch.table[:, :width], 0))
         entries = int((prefix - window_start(prefix, self.swa_window_size)).sum())
-        capacity = max(1, entries)
-        self.verify_plan = VerifyPlan.allocate(capacity, xp=xp)
-        self.write_plan = WritePlan.allocate(max(1, n), xp=xp)
+        self._plans(max(1, entries), max(1, n))
         kwargs = {}
         if g.check_tokens:
+            pool, valid = batch.token_pool(width)
             kwargs = dict(req_to_verify_expected_tokens=xp.asarray(pool),
                           req_to_verify_expected_tokens_valid_lens=xp.asarray(valid))
         api.plan(req_pool_indices=xp.arange(1, n + 1, dtype=xp.int64),
-                prefix_lens=xp.asarray(prefix), extend_seq_lens=xp.asarray(extend),
-                req_to_token=xp.asarray(table), verify_plan=self.verify_plan,
-                write_plan=self.write_plan, swa_window_size=self.swa_window_size,
-                full_to_swa_index_mapping=self.lut, **kwargs)
+                 prefix_lens=xp.asarray(prefix), extend_seq_lens=xp.asarray(extend),
+                 req_to_token=xp.asarray(table), verify_plan=self.verify_plan,
+                 write_plan=self.write_plan, swa_window_size=self.swa_window_size,
+                 full_to_swa_index_mapping=self.lut, check_capacity=False, **kwargs)
         events, self.misread = {}, set()
-        for i, (rec, _, engine_past, past, slots, read, _) in enumerate(batch):
-            n_read = min(past, engine_past)
-            bad = np.flatnonzero(read[:n_read] != slots[:n_read])
-            g.stats["read_index_mismatches"] += int(bad.size)
-            for pos in bad:
-                events[(i, int(pos), int(read[pos]))] = [0, None, {READ_INDEX_MISMATCH}]
-                self.misread.add((i, int(pos)))
+        if batch.read is not batch.table:
+            cached = np.minimum(prefix, batch.engine_past)
+            rows, positions = np.nonzero(
+                (batch.read != batch.table)
+                & (np.arange(batch.table.shape[1])[None, :] < cached[:, None]))
+            g.stats["read_index_mismatches"] += int(rows.size)
+            for i, pos, slot in zip(rows.tolist(), positions.tolist(),
+                                    batch.read[rows, positions].tolist()):
+                events[(i, pos, slot)] = [0, None, {READ_INDEX_MISMATCH}]
+                self.misread.add((i, pos))
         if entries:
             api.verify(self.context, self.verify_plan, check_expected_token=g.check_tokens)
             g.stats["entries_verified"] += entries
@@ -285,34 +272,45 @@ class Session:
                 event = events.setdefault(key, [0, None, set()])
                 event[0] |= int(f.violation.fail_reason_bits)
                 event[1] = f if event[1] is None else event[1]
-        self._record(events, batch)
+        if events:
+            self._record(events, batch)
         if g.error is not None:     # on_violation="raise": stop before the forward
             raise g.error
+
+    def _plans(self, entries: int, requests: int) -> None:
+        """This step's verify and write plans: last step's when they are large enough (a
+        launch reads only the entries its plan fills), else new ones, twice as large."""
+        vp, wp = self.verify_plan, self.write_plan
+        if vp is None or vp.verify_capacity < entries:
+            self.verify_plan = VerifyPlan.allocate(
+                max(entries, 2 * (0 if vp is None else vp.verify_capacity)), xp=self.xp)
+        if wp is None or wp.write_req_capacity < requests:
+            self.write_plan = WritePlan.allocate(
+                max(requests, 2 * (0 if wp is None else wp.write_req_capacity)), xp=self.xp)
 
     def _take_rows(self) -> np.ndarray:
         return take_ring_rows(self.context.violation_log, self.guard, self.step)
 
     def after_step(self, processor) -> None:
         g, xp, io, batch = self.guard, self.xp, processor.inputs_and_outputs, self.batch
-        total = sum(b.query for b in batch)
-        written = self.written_slots(io, batch, total)
+        owners = batch.owners
+        total = int(owners.size)
+        expected_positions = batch.past[owners] + batch.entry
+        planned = batch.slots_from(batch.past)     # the table's slot of each new token
+        written = self.written_slots(io, batch, planned)
         input_ids = host_array(io.input_ids[:total]).astype(np.int64)
         positions = host_array(io.position_ids[:total]).astype(np.int64)
-        expected_tokens = np.concatenate(
-            [_padded(tokens, past, q) for _, q, _, past, _, _, tokens in batch])
         # A position past the request's tokens has no known token: nothing to compare there.
+        expected_tokens = batch.expected_tokens(expected_positions)
         expected_tokens = np.where(expected_tokens < 0, input_ids, expected_tokens)
-        expected_positions = np.concatenate(
-            [np.arange(past, past + q, dtype=np.int64) for _, q, _, past, _, _, _ in batch])
         api.write(self.context, self.write_plan, input_ids=xp.asarray(input_ids),
-                 positions=xp.asarray(positions), out_cache_loc=xp.asarray(written),
-                 expected_input_tokens=xp.asarray(expected_tokens),
-                 expected_input_positions=xp.asarray(expected_positions))
+                  positions=xp.asarray(positions), out_cache_loc=xp.asarray(written),
+                  expected_input_tokens=xp.asarray(expected_tokens),
+                  expected_input_positions=xp.asarray(expected_positions))
         g.stats["tokens_written"] += total
-        owners = np.repeat(np.arange(len(batch)), [b.query for b in batch])
-        table = np.concatenate([b.table[b.past:b.past + b.query] for b in batch])
+        followed = written == planned
         events = {}
-        for e in np.flatnonzero(written != table):
+        for e in np.flatnonzero(~followed).tolist():
             g.stats["write_index_mismatches"] += 1
             events[(int(owners[e]), int(expected_positions[e]), int(written[e]))] = [
                 0, None, {WRITE_INDEX_MISMATCH}]
@@ -330,33 +328,43 @@ class Session:
                 entry = Entry(batch_index=key[0], request_row=key[0] + 1, position=key[1])
                 event[1] = LaunchFinding(v, entry, failed_checks(v.fail_reason_bits),
                                          diagnose(v, entry), self.step)
-        # Who wrote each slot (findings name the writer) and where each request wrote.
-        keys = list(zip(owners.tolist(), expected_positions.tolist()))
-        followed = (written == table).tolist()
-        self._record(events, batch, written=dict(zip(keys, zip(written.tolist(), followed))),
-                     engine_positions=dict(zip(keys, positions.tolist())))
+        written_list, followed_list = written.tolist(), followed.tolist()
+        if events:
+            # Who wrote each slot (findings name the writer) and where each request wrote.
+            keys = list(zip(owners.tolist(), expected_positions.tolist()))
+            self._record(events, batch,
+                         written=dict(zip(keys, zip(written_list, followed_list))),
+                         engine_positions=dict(zip(keys, positions.tolist())))
         inside = written < self.num_slots
-        uids = np.array([self._uid(b.rec.request_id) for b in batch], dtype=np.int64)
-        self.writer_request[written[inside]] = uids[owners[inside]]
-        self.writer_position[written[inside]] = expected_positions[inside]
-        self.writer_step[written[inside]] = self.step
-        self.writer_followed[written[inside]] = (written == table)[inside]
-        for i, (rec, q, engine_past, past, _, _, _) in enumerate(batch):
-            mine = np.flatnonzero(owners == i).tolist()
-            for pos, e in zip(range(past, past + q), mine):
-                rec.own[pos] = (int(written[e]), followed[e])
+        uids = np.array([self._uid(rec.request_id) for rec in batch.recs], dtype=np.int64)
+        slots = written[inside]
+        self.writer_request[slots] = uids[owners[inside]]
+        self.writer_position[slots] = expected_positions[inside]
+        self.writer_step[slots] = self.step
+        self.writer_followed[slots] = followed[inside]
+        at, tables = 0, self.allocator.block_table
+        last = []
+        for rec, past, q, engine_past, tokens in zip(
+                batch.recs, batch.past.tolist(), batch.query.tolist(),
+                batch.engine_past.tolist(), batch.token_views):
+            if q:
+                rec.own.update(zip(range(past, past + q),
+                                   zip(written_list[at:at + q], followed_list[at:at + q])))
+                at += q
             rec.length = engine_past + q      # follow the engine once its step is checked
-        self.last = [(rec.request_id, list(self.allocator.block_table.get(rec.request_id, ())),
-                      rec.length, tokens) for rec, _, _, _, _, _, tokens in batch]
+            last.append((rec.request_id, list(tables.get(rec.request_id, ())), rec.length,
+                         tokens))
+        self.last = last
         if g.error is not None:
             raise g.error
 
-    def written_slots(self, io, batch, total: int) -> np.ndarray:
-        """The slots the engine's write indices of this step name, token by token."""
+    def written_slots(self, io, batch: StepBatch, planned: np.ndarray) -> np.ndarray:
+        """The slots the engine's write indices of this step name, token by token
+        (``planned``: the block table's slot of each)."""
         if io.use_block_table:
-            return np.concatenate([b.table[b.engine_past:b.engine_past + b.query]
-                                   for b in batch])
-        return self.to_slots(host_array(io.write_index_storage[self.group_index, :total]))
+            return batch.slots_from(batch.engine_past)
+        return self.to_slots(host_array(io.write_index_storage[self.group_index,
+                                                               :planned.size]))
 
     def _uid(self, request_id: str) -> int:
         uid = self.uid_of.get(request_id)
@@ -375,7 +383,7 @@ class Session:
         g = self.guard
         sightings, batch_index = [], {}
         for (i, position, slot), (bits, first, checks) in events.items():
-            sighting = Sighting(batch[i].rec.request_id, position, slot, slot // self.page,
+            sighting = Sighting(batch.recs[i].request_id, position, slot, slot // self.page,
                                 row_reasons(bits, sorted(checks)),
                                 None if first is None else first.violation, self.step,
                                 None if first is None else first.diagnosis)
@@ -384,9 +392,9 @@ class Session:
         for found in g.merger.add(sightings):
             i, position, slot = batch_index[found.finding.key()], found.position, found.slot
             key = (i, position)
-            own = (written or {}).get(key) or batch[i].rec.own.get(position) or (None, True)
+            own = (written or {}).get(key) or batch.recs[i].own.get(position) or (None, True)
             found.state(explain(found.finding, self._evidence(
-                batch[i].rec, position, slot, batch[i].table, own,
+                batch.recs[i], position, slot, batch.table_of(i), own,
                 (engine_positions or {}).get(key), (i, position - 1) in self.misread)),
                 self.explanation_prefix)
             g.report(found)
@@ -477,9 +485,3 @@ def host_array(tensor) -> np.ndarray:
     """A torch tensor as a numpy array (a view on the CPU)."""
     return tensor.detach().cpu().numpy()
 
-
-def _padded(tokens: np.ndarray, start: int, count: int) -> np.ndarray:
-    out = np.full(count, -1, dtype=np.int64)
-    part = tokens[start:start + count]
-    out[:part.size] = part
-    return out
