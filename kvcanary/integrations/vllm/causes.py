@@ -6,6 +6,7 @@ Everything else is the shared explanation (:func:`kvcanary.integrations.findings
 from __future__ import annotations
 
 _TOKEN = "verify_token"
+_REAL_KV = "verify_real_kv_hash"
 
 
 def _pool_state(session, block: int) -> str:
@@ -29,14 +30,14 @@ def vllm_cause(session, sighting, ev, row) -> str | None:
         return (f"{ev.request_id} reads position {ev.position} (group {row.group}) from vLLM's "
                 "null block 0: its block table names the null block where the block holding "
                 "that position belongs, so attention reads padding instead of its KV")
-    if not any(r.startswith("verify_") for r in reasons):
-        return None
+    if not any(r.startswith("verify_") for r in reasons) or reasons == (_REAL_KV,):
+        return None     # a changed KV byte alone: the bytes, not the bookkeeping
     block = ev.slot // bs
     index = ev.position // bs
     how, since = session.origin.get(ev.request_id, {}).get((row.group, index), ("own", None))
     writer = ev.writer
-    if writer is None or writer[0] == ev.request_id:
-        return None
+    if writer is None or writer[0] == ev.request_id or not writer[3]:
+        return None     # a write the slot_mapping misdirected: the shared explanation
     other, their_position, step = writer[0], writer[1], writer[2]
     pool = _pool_state(session, block)
     if how == "own":
