@@ -68,7 +68,8 @@ def guard(scheduler, *, check_tokens: bool = True, on_violation="log",
     the real ``slot_mapping``, fingerprints of the real KV bytes. ``sources`` (that mode
     only): the layers whose V rows the records fingerprint, ``"v-all"``, ``"v0"`` or a list
     of layer indices (every KV head of each); ``hash_mode``: ``"none"``, ``"partial"`` or
-    ``"all"`` of each slot's bytes.
+    ``"all"`` of each slot's bytes. In that mode a step is checked after its forward, so
+    ``on_violation="raise"`` raises from the runner's ``execute_model``.
 
     ``check_tokens``: verify stored token ids against each request's tokens (finds a
     prefix-cache hit on another prefix's block). ``on_violation``: ``"log"`` (a WARNING on
