@@ -90,6 +90,9 @@ def run(llm, w: Workload, on_step=None) -> dict:
         todo.append((f"s{w.seed}-r{i}", {"prompt_token_ids": tokens}, params))
     engine = llm.llm_engine
     scheduler, _ = parts(llm)
+    # A guard knows only what it saw written: blocks cached by an earlier run (unguarded, or
+    # another guard's) would be prefix hits on records it never wrote.
+    scheduler.reset_prefix_cache()
     seen = dict(preempted=0)
     original = scheduler.schedule
 
