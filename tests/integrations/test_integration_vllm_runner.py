@@ -177,3 +177,11 @@ def test_sources_and_layout_are_checked(cached_llm):
         kvv.guard(scheduler, model_runner=object())
     g = kvv.guard(scheduler, model_runner=runner, sources=())
     assert g.summary()["sources"] == 0
+    layer = runner.compilation_config.static_forward_context["model.layers.1.self_attn.attn"]
+    isa, layer.isa = layer.isa, "amx"       # a block layout the mode does not know
+    try:
+        with pytest.raises(kvv.GuardError, match="layer 1 runs the CPU attention ISA 'amx'"):
+            kvv.guard(scheduler, model_runner=runner)
+        assert kvv.guard(scheduler, model_runner=runner, sources="v0").summary()["sources"] == 1
+    finally:
+        layer.isa = isa
