@@ -36,11 +36,13 @@ NUM_TAGS = 12
 OUT_OF_RANGE = "SLOT_OUT_OF_RANGE: an index outside the canary buffer"
 OUTSIDE_SOURCE = "SLOT_OUT_OF_RANGE: a hashed slot outside a real-KV source"
 SEED_ORDER = "order-free writes: a seed slot written earlier in the same launch"
+CHAINED = ("of them with a seed slot written earlier in the same launch, compared with "
+           "chain_across_requests")
 CONFLICT = "writes with a slot conflict (compared with extensions=False)"
 REFUSED = "plans refused alike (SWA slot outside the LUT), error texts compared"
 SMALL_SOURCES = "of them hashing a real-KV source smaller than the canary buffer"
 COMPARED = ("launches compared", "scenarios compared to the end", SMALL_SOURCES, REFUSED,
-            CONFLICT)
+            CONFLICT, CHAINED)
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +94,12 @@ class Launches:
     bytes exactly) on a write whose launch writes one non-padding slot twice: there its
     extensions add ``WRITE_SLOT_CONFLICT`` rows (docs/extensions.md)."""
 
-    def __init__(self, up, torch, canary, ring_capacity, sources, mode, chain_flag, extensions):
+    def __init__(self, up, torch, canary, ring_capacity, sources, mode, chain_flag, extensions,
+                 chain_across=False):
         self.up, self.torch = up, torch
+        # kvcanary's seeds chained across requests: a seed an earlier request of the launch
+        # writes is that write, as in upstream's reference, which runs requests in order
+        self.chain_across = chain_across
         self.sglang = Side(canary, ring_capacity)
         self.kvcanary = Side(canary, ring_capacity)
         self.sources, self.mode, self.extensions = sources, mode, extensions
@@ -125,7 +131,7 @@ class Launches:
                 slot_run_counter=side.slot_counter, kernel_run_counter=side.kernel_counter,
                 real_kv_sources=tuple(src.kvcanary for src in self.sources),
                 real_kv_hash_mode=self.mode, enable_chain_position_assert=self.chain_flag,
-                extensions=extensions)
+                extensions=extensions, chain_across_requests=self.chain_across)
         return self.contexts[key]
 
     def verify(self, plan: "Plans", check_token: bool, tag) -> None:
@@ -265,21 +271,26 @@ def _spans(plan: kc.WritePlan):
             for r in range(active) if plan.write_offsets[r + 1] > plan.write_offsets[r]], total
 
 
-def classify_write(launches, plan: kc.WritePlan, out_cache_loc) -> None:
+def classify_write(launches, plan: kc.WritePlan, out_cache_loc) -> bool:
+    """Sets the launch aside or returns whether a seed is written earlier in the launch
+    (compared where the context chains seeds across requests)."""
     spans, total = _spans(plan)
     seeds = plan.write_seed_slot_indices
     if any(int(seeds[r]) >= launches.num_slots for r, _, _ in spans):
         raise SetAside(OUT_OF_RANGE)
     if _hashing(launches):  # upstream gathers the rows of every slot up to the total
         _check_slots(launches, out_cache_loc[:total][out_cache_loc[:total] >= 0])
-    written = set()
+    written, chained = set(), False
     for r, start, end in spans:
         seed = int(seeds[r])
         if seed >= 0 and seed in written:
-            raise SetAside(SEED_ORDER)
+            if not launches.chain_across:
+                raise SetAside(SEED_ORDER)
+            chained = True
         slots = out_cache_loc[start:end]
         _check_slots(launches, slots[slots >= 0])
         written.update(int(s) for s in slots[slots >= 0])
+    return chained
 
 
 def _nonzero_slot_conflict(plan, out_cache_loc, num_slots) -> bool:
@@ -447,7 +458,8 @@ def run_scenario(up, seed: int, stats) -> None:
     sources = [Source(up, torch, rng, num_slots) for _ in range(int(rng.choice([0, 1, 1, 2, 4])))]
     engine = Engine(rng, num_slots)
     launches = Launches(up, torch, canary, int(rng.choice([1, 2, 4, 64])), sources, mode,
-                        int(rng.integers(0, 2)), extensions=rng.random() < 0.7)
+                        int(rng.integers(0, 2)), extensions=rng.random() < 0.7,
+                        chain_across=seed % 2 == 1)   # from the seed: the draws stay as they were
     smallest = min([s.num_slots for s in sources], default=num_slots)
     small_sources = smallest < num_slots and mode != kc.RealKvHashMode.NONE
     if smallest < num_slots and rng.random() < 0.7:
@@ -484,7 +496,7 @@ def run_scenario(up, seed: int, stats) -> None:
                 expected = (ids.copy(), positions.copy())
                 wrong = rng.random(ids.shape[0]) < 0.1
                 expected[int(rng.integers(0, 2))][wrong] += 1
-            classify_write(launches, plans.write, out_cache_loc)
+            stats[CHAINED] += classify_write(launches, plans.write, out_cache_loc)
             if launches.write(plans, ids, positions, out_cache_loc, expected, tail):
                 stats[CONFLICT] += 1
             if rng.random() < 0.2:
@@ -522,9 +534,10 @@ def test_kvcanary_matches_sglangs_reference_on_random_engine_scenarios(upstream)
           f"{stats['scenarios compared to the end']} compared to the end "
           f"({stats[SMALL_SOURCES]} {SMALL_SOURCES}), "
           f"{stats['launches compared']} launches compared, {stats[REFUSED]} {REFUSED}, "
-          f"{stats[CONFLICT]} {CONFLICT}; set aside: "
+          f"{stats[CONFLICT]} {CONFLICT}, {stats[CHAINED]} launches {CHAINED}; set aside: "
           + ", ".join(f"{v} {k}" for k, v in sorted(set_aside.items())))
     assert stats["launches compared"] >= 5 * SCENARIOS
+    assert stats[CHAINED] > 0
 
 
 @pytest.mark.filterwarnings("ignore::kvcanary.VerifyPlanTooSmall")

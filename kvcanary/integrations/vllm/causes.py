@@ -11,6 +11,7 @@ from ... import Diagnosis
 from ...findings.causes import Cause
 
 _TOKEN = "verify_token"
+_REAL_KV = "verify_real_kv_hash"
 
 
 def _pool_state(session, block: int) -> str:
@@ -35,14 +36,14 @@ def vllm_cause(session, sighting, ev, row) -> Diagnosis | None:
     if "slot_zero_in_prefix" in reasons:
         return Diagnosis.of(Cause.SLOT_ZERO, "vllm", request=ev.request_id,
                             position=ev.position, group=row.group)
-    if not any(r.startswith("verify_") for r in reasons):
-        return None
+    if not any(r.startswith("verify_") for r in reasons) or reasons == (_REAL_KV,):
+        return None     # a changed KV byte alone: the bytes, not the bookkeeping
     block = ev.slot // bs
     index = ev.position // bs
     how, since = session.origin.get(ev.request_id, {}).get((row.group, index), ("own", None))
     writer = ev.writer
-    if writer is None or writer[0] == ev.request_id:
-        return None
+    if writer is None or writer[0] == ev.request_id or not writer[3]:
+        return None     # a write the slot_mapping misdirected: the shared explanation
     other, their_position, step = writer[0], writer[1], writer[2]
     pool = _pool_state(session, block)
     if how == "own":

@@ -11,8 +11,9 @@ from collections import deque
 
 import numpy as np
 
-from ... import Merger, Violation
+from ... import Merger, RealKvHashMode, Violation
 from ...dump import save as save_dump
+from ...format.consts import HASH_MODE_NAMES
 from ...format.errors import GuardError
 from ..findings import Finding, Sighting
 from .session import Session
@@ -36,8 +37,17 @@ def supported_version(version: str) -> bool:
 
 
 def guard(scheduler, *, check_tokens: bool = True, on_violation="log",
-          ring_capacity: int = 4096) -> "Guard":
+          ring_capacity: int = 4096, model_runner=None, sources="v-all",
+          hash_mode: str = "all") -> "Guard":
     """A guard for ``scheduler`` (a vLLM v1 ``Scheduler``); use it as a context manager.
+
+    ``model_runner``: the model runner executing the scheduler's steps (in-process, e.g. a
+    CPU worker's ``CPUModelRunner``) for the model-runner mode (:mod:`.runner`): records at
+    the real ``slot_mapping``, fingerprints of the real KV bytes. ``sources`` (that mode
+    only): the layers whose V rows the records fingerprint, ``"v-all"``, ``"v0"`` or a list
+    of layer indices (every KV head of each); ``hash_mode``: ``"none"``, ``"partial"`` or
+    ``"all"`` of each slot's bytes. In that mode a step is checked after its forward, so
+    ``on_violation="raise"`` raises from the runner's ``execute_model``.
 
     ``check_tokens``: verify stored token ids against each request's tokens (finds a
     prefix-cache hit on another prefix's block). ``on_violation``: ``"log"`` (a WARNING on
@@ -65,7 +75,20 @@ def guard(scheduler, *, check_tokens: bool = True, on_violation="log",
                          "are not supported")
     if int(ring_capacity) < 1:
         raise GuardError(f"ring_capacity must be >= 1, got {ring_capacity!r}")
-    return Guard(scheduler, bool(check_tokens), on_violation, int(ring_capacity))
+    if hash_mode not in HASH_MODE_NAMES:
+        raise GuardError(f"hash_mode must be one of {', '.join(HASH_MODE_NAMES)}, "
+                         f"got {hash_mode!r}")
+    if model_runner is not None and not callable(getattr(model_runner, "execute_model", None)):
+        raise GuardError("model_runner must be a vLLM model runner (with execute_model), got "
+                         f"{type(model_runner).__name__}")
+    g = Guard(scheduler, bool(check_tokens), on_violation, int(ring_capacity))
+    if model_runner is not None:
+        from .runner import RunnerSession
+
+        g.session = RunnerSession(g, scheduler, model_runner, sources,
+                                  RealKvHashMode.from_name(hash_mode))
+        g.stats["sources"] = len(g.session.real_kv)
+    return g
 
 
 class Guard:
@@ -82,6 +105,8 @@ class Guard:
         self.stats = dict(steps=0, entries_verified=0, tokens_written=0, ring_rows=0,
                           rows_dropped=0, groups=len(scheduler.kv_cache_config.kv_cache_groups))
         self.step_times = deque(maxlen=1 << 16)   # guard seconds of the latest steps
+        self.engine_times = deque(maxlen=1 << 16)  # model runner seconds (model-runner mode)
+        self._scheduled = 0.0    # guard seconds spent at schedule, of the step to come
         self.session = Session(self, scheduler)
         self._inside = False
         self._error = None
@@ -99,17 +124,33 @@ class Guard:
             start = time.perf_counter()
             self._error = None
             self.session.on_schedule(out)
-            self.step_times.append(time.perf_counter() - start)
+            if hasattr(self.session, "install"):   # the step closes after the forward
+                self._scheduled = time.perf_counter() - start
+            else:
+                self.step_times.append(time.perf_counter() - start)
             if self._error is not None:
                 raise self._error
             return out
 
         schedule.__wrapped__ = original
         s.schedule = schedule
+        if hasattr(self.session, "install"):
+            self.session.install()
         self._inside = True
         return self
 
+    def close_step(self, seconds: float) -> None:
+        """Model-runner mode: the step's guard time is its schedule part and ``seconds``
+        after the forward; a finding under ``on_violation="raise"`` raises here."""
+        self.step_times.append(self._scheduled + seconds)
+        self._scheduled = 0.0
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
     def __exit__(self, *exc) -> bool:
+        if hasattr(self.session, "remove"):
+            self.session.remove()
         if self._had_own:
             self.scheduler.schedule = self._own
         else:
@@ -129,10 +170,15 @@ class Guard:
     def summary(self) -> dict:
         """``steps``, ``entries_verified``, ``tokens_written``, ``findings``, ring rows,
         dropped rows, ``groups`` and the median guard time per step (``guard_ms_median``;
-        ``guard.step_times`` holds the latest 65536 steps' seconds)."""
+        ``guard.step_times`` holds the latest 65536 steps' seconds); in the model-runner mode
+        also ``sources``, ``write_index_mismatches`` and the model runner's own median
+        ``execute_model`` time (``engine_ms_median``)."""
         times = np.array(self.step_times or [0.0])
-        return dict(self.stats, findings=len(self.merger),
-                    guard_ms_median=float(np.median(times) * 1e3))
+        out = dict(self.stats, findings=len(self.merger),
+                   guard_ms_median=float(np.median(times) * 1e3))
+        if self.engine_times:
+            out["engine_ms_median"] = float(np.median(np.array(self.engine_times)) * 1e3)
+        return out
 
     def dump(self, path) -> str:
         """Write the last guarded step (full-attention group 0) as a kvcanary dump."""

@@ -23,7 +23,8 @@ import kvcanary as api  # the public API: plan, write, verify
 from ... import (CANARY_SLOT_BYTES, CanaryContext, LaunchTag, VerifyPlan, Violation, ViolationLog,
                  WritePlan, attribute, diagnose)
 from ...format.bits import SLOT_ZERO_IN_PREFIX as _SLOT_ZERO
-from ..findings import EngineEvidence, Sighting, explain, row_reasons, take_ring_rows
+from ..findings import (WRITE_INDEX_MISMATCH, EngineEvidence, Sighting, explain, row_reasons,
+                        take_ring_rows)
 from .causes import vllm_cause
 
 if TYPE_CHECKING:
@@ -69,12 +70,14 @@ class Session:
         self.writer_request = np.full(self.num_slots, -1, dtype=np.int64)
         self.writer_position = np.full(self.num_slots, -1, dtype=np.int64)
         self.writer_step = np.full(self.num_slots, -1, dtype=np.int64)
+        self.writer_followed = np.ones(self.num_slots, dtype=bool)
         self.names, self.uid_of = [], {}
         self.tables = {}      # request id -> [list of block ids] per group
         self.origin = {}      # request id -> {(group, block index): (how, step)}
-        self.own = {}         # request id -> {(group, position): slot it wrote}
+        self.own = {}         # request id -> {(group, position): (slot it wrote, followed)}
         self.step = 0
         self.last = None
+        self.source_names = "no source"
 
     # -- the step's tables, from the scheduler's output alone
 
@@ -108,6 +111,13 @@ class Session:
     # -- one step
 
     def on_schedule(self, out) -> None:
+        rows = self.step_rows(out)
+        if rows:
+            self._launch(rows)
+        self.last = rows or self.last
+
+    def step_rows(self, out) -> list:
+        """The step's (group, request) rows, the tables updated from ``out``."""
         g = self.guard
         self.step += 1
         g.stats["steps"] += 1
@@ -126,9 +136,7 @@ class Session:
                 start = max(0, c - (window - 1)) if window else 0
                 rows.append(_Row(group, rid, c, count, start,
                                  np.asarray(self.tables[rid][group], dtype=np.int64), tokens))
-        if rows:
-            self._launch(rows)
-        self.last = rows or self.last
+        return rows
 
     def _slots(self, blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Slots of ``positions`` in a block table: the null block gives padding slot 0, a
@@ -141,7 +149,10 @@ class Session:
                                  + positions[inside] % self.block_size)
         return slots
 
-    def _launch(self, rows) -> None:
+    def _launch(self, rows, written=None) -> None:
+        """Write the step's tokens, then verify what it reads. ``written``: the slots the
+        engine wrote, token by token in row order (model-runner mode: its slot_mapping);
+        by default the block tables' slots."""
         g, n = self.guard, len(rows)
         width = max(1, max(max(r.blocks.size, (r.computed + r.scheduled) // self.block_size + 1)
                            for r in rows))
@@ -170,25 +181,32 @@ class Session:
         positions = np.concatenate([np.arange(r.computed, r.computed + r.scheduled)
                                     for r in rows]).astype(np.int64)
         owners = np.repeat(np.arange(n), extend)
-        written = np.concatenate([self._slots(r.blocks, np.arange(
+        table_slots = np.concatenate([self._slots(r.blocks, np.arange(
             r.computed, r.computed + r.scheduled, dtype=np.int64)) for r in rows])
+        written = table_slots if written is None else np.asarray(written, dtype=np.int64)
+        followed = written == table_slots
         input_ids = np.concatenate([_padded(r.tokens, r.computed, r.scheduled) for r in rows])
         # Write first, as vLLM's layers do, then verify what the step reads.
         api.write(self.context, write_plan, input_ids=input_ids, positions=positions,
                   out_cache_loc=written)
         g.stats["tokens_written"] += int(extend.sum())
-        events = {}
+        events, before = {}, {}
+        for e in np.flatnonzero(~followed).tolist():
+            g.stats["write_index_mismatches"] = g.stats.get("write_index_mismatches", 0) + 1
+            key = (int(owners[e]), int(positions[e]), int(written[e]))
+            events[key] = [0, None, {WRITE_INDEX_MISMATCH}]
+            before[key] = self.writer(int(written[e]))    # whose record it overwrote
         for row in self._take_rows():
             hits = np.flatnonzero((written == row[1]) & (positions == row[2]))
             if hits.size:
                 e = int(hits[0])
                 event = events.setdefault((int(owners[e]), int(positions[e]), int(row[1])),
-                                          [0, None])
+                                          [0, None, set()])
                 event[0] |= int(row[7])
                 if event[1] is None:
                     v = Violation.from_row(row)
                     event[1] = (v, diagnose(v))
-        self._store_writers(rows, owners, positions, written)
+        self._store_writers(rows, owners, positions, written, followed)
         if int(prefix.sum()):
             api.verify(self.context, verify_plan, check_expected_token=g.check_tokens)
             g.stats["entries_verified"] += int(prefix.sum())
@@ -201,11 +219,11 @@ class Session:
             for f in found:
                 if f.entry is not None:
                     key = (f.entry.batch_index, f.entry.position, f.violation.slot_idx)
-                    event = events.setdefault(key, [0, None])
+                    event = events.setdefault(key, [0, None, set()])
                     event[0] |= int(f.violation.fail_reason_bits)
                     event[1] = event[1] or (f.violation, f.diagnosis)
         self._null_reads(rows, events)
-        self._record(events, rows)
+        self._record(events, rows, before)
 
     def _null_reads(self, rows, events) -> None:
         """A prefix position the attention reads from vLLM's null block: verify skips
@@ -218,21 +236,22 @@ class Session:
                 token = int(r.tokens[position]) if position < r.tokens.size else -1
                 v = Violation.from_row(np.array([int(LaunchTag.TAIL_K_FULL), 0, position, 0,
                                                  token, 0, 0, _SLOT_ZERO], dtype=np.int64))
-                events.setdefault((i, position, 0), [_SLOT_ZERO, (v, diagnose(v))])
+                events.setdefault((i, position, 0), [_SLOT_ZERO, (v, diagnose(v)), set()])
 
     def _take_rows(self) -> np.ndarray:
         return take_ring_rows(self.context.violation_log, self.guard, self.step)
 
-    def _store_writers(self, rows, owners, positions, written) -> None:
+    def _store_writers(self, rows, owners, positions, written, followed) -> None:
         inside = (written > 0) & (written < self.num_slots)
         uids = np.array([self._uid(r.request_id) for r in rows], dtype=np.int64)
         self.writer_request[written[inside]] = uids[owners[inside]]
         self.writer_position[written[inside]] = positions[inside]
         self.writer_step[written[inside]] = self.step
+        self.writer_followed[written[inside]] = followed[inside]
         for e in np.flatnonzero(inside).tolist():
             r = rows[owners[e]]
             self.own.setdefault(r.request_id, {})[(r.group, int(positions[e]))] = \
-                int(written[e])
+                (int(written[e]), bool(followed[e]))
 
     def _uid(self, rid: str) -> int:
         if rid not in self.uid_of:
@@ -241,33 +260,38 @@ class Session:
         return self.uid_of[rid]
 
     def writer(self, slot: int):
-        """``(request id, position, step, True)`` of the last write into ``slot``."""
+        """``(request id, position, step, followed)`` of the last write into ``slot``
+        (``followed``: it went where the block table said)."""
         if 0 < slot < self.num_slots and self.writer_request[slot] >= 0:
             return (self.names[self.writer_request[slot]], int(self.writer_position[slot]),
-                    int(self.writer_step[slot]), True)
+                    int(self.writer_step[slot]), bool(self.writer_followed[slot]))
         return None
 
-    def _record(self, events, rows) -> None:
+    def _record(self, events, rows, before=None) -> None:
+        """``before``: the writer each misdirected write's slot had before it."""
         g = self.guard
-        sightings, where = [], {}
-        for (i, position, slot), (bits, first) in events.items():
+        sightings, where, before = [], {}, before or {}
+        for (i, position, slot), (bits, first, checks) in events.items():
             v, d = first if first is not None else (None, None)
             s = Sighting(rows[i].request_id, position, slot, slot // self.block_size,
-                         row_reasons(bits), v, self.step, d)
+                         row_reasons(bits, sorted(checks)), v, self.step, d)
             sightings.append(s)
-            where[s.key()] = i
+            where[s.key()] = (i, (i, position, slot))
         for found in g.merger.add(sightings):
-            r = rows[where[found.finding.key()]]
+            i, key = where[found.finding.key()]
+            r = rows[i]
             position, slot = found.position, found.slot
             table = self._slots(r.blocks, np.arange(r.computed + r.scheduled, dtype=np.int64))
+            own_slot, own_followed = self.own.get(r.request_id, {}).get(
+                (r.group, position), (None, True))
             ev = EngineEvidence(
                 request_id=r.request_id, position=position, slot=slot,
                 table_slot=int(table[position]) if position < table.size else -1,
-                writer=self.writer(slot),
-                own_slot=self.own.get(r.request_id, {}).get((r.group, position)),
+                writer=before[key] if key in before else self.writer(slot),
+                own_slot=own_slot, own_followed=own_followed,
                 near_slots=tuple(int(table[p]) if 0 <= p < table.size else None
                                  for p in (position - 1, position + 1)),
-                sources="no source")
+                sources=self.source_names)
             found.state(vllm_cause(self, found.finding, ev, r) or explain(found.finding, ev))
             found.group = r.group
             g.report(found)
