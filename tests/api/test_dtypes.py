@@ -76,7 +76,8 @@ def test_torch_kv_is_read_as_its_own_bytes(dtype):
 def test_packed_fp4_rows_are_their_packed_bytes():
     # Two e2m1 codes per byte, the first in the low nibble (DLPack's packing of sub-byte types).
     if not hasattr(torch, "float4_e2m1fn_x2"):
-        pytest.skip(f"torch {torch.__version__} has no float4_e2m1fn_x2")
+        pytest.skip(f"torch {torch.__version__} has no packed 4-bit float type (fp4, two per "
+                    "byte): a newer torch has it")
     codes = np.random.default_rng(1).integers(0, 16, (NUM_SLOTS, 2 * SLOT_BYTES), np.uint8)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     kv = torch_array(packed, torch.float4_e2m1fn_x2)
@@ -159,7 +160,8 @@ def test_torch_device_kv_is_read_as_its_own_bytes(dtype):
     try:
         torch.utils.dlpack.to_dlpack(kv)
     except Exception as exc:  # older torch exports no float8 through DLPack
-        pytest.skip(f"torch {torch.__version__} cannot export {dtype} through DLPack: {exc}")
+        pytest.skip(f"torch {torch.__version__} cannot export {dtype.replace('_', ' ')} "
+                    f"through DLPack ({type(exc).__name__}): a newer torch can")
     src = source(kv)
     assert int(src.tensor.data.ptr) == kv.data_ptr()  # no copy
     as_bytes = source(cupy.asarray(raw))

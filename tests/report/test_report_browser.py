@@ -10,6 +10,8 @@ import json
 
 import numpy as np
 import pytest
+
+import skip_reasons
 from click.testing import CliRunner
 
 from browser import Browser, find_chromium
@@ -22,7 +24,7 @@ from report_support import (FLIPPED, REMAPPED, paged_arrays, paged_bad_block, pe
 CHROMIUM = find_chromium()
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not found (the report's "
                                 "browser tests need the distribution's chromium package)")
-pytest.importorskip("jinja2", reason="the HTML report needs the report extra (jinja2)")
+pytest.importorskip("jinja2", reason=skip_reasons.REPORT)
 
 
 

@@ -13,12 +13,14 @@ import re
 
 import pytest
 
+import skip_reasons
+
 from kvcanary.report import audit_section, build_report, dump_metadata, render_html
 from kvcanary.report.maps import REASON_LABELS
 from kvcanary.report.palette import (MARKS, NON_TEXT_CONTRAST, POOL_STATES, REQUEST_STATES,
                                      TEXT_CONTRAST, contrast, ink, luminance)
 
-pytest.importorskip("jinja2", reason="the HTML report needs the report extra (jinja2)")
+pytest.importorskip("jinja2", reason=skip_reasons.REPORT)
 
 CSS = (pathlib.Path(__file__).resolve().parents[2] / "kvcanary" / "report" / "templates"
        / "report.css").read_text()
