@@ -171,3 +171,23 @@ def test_torch_device_kv_is_read_as_its_own_bytes(dtype):
     assert wide.row_stride_bytes == SLOT_BYTES + 32
     hashes = [fingerprints(s, cupy) for s in (src, as_bytes, wide)]
     assert hashes[0] == hashes[1] == hashes[2] == fingerprints(source(raw.cpu().numpy()))
+
+
+def test_a_tensor_on_the_meta_device_is_one_error_naming_the_argument(tmp_path):
+    # torch's meta device holds no data and DLPack has no device type for it.
+    meta = torch.zeros(4, 64, dtype=torch.uint8, device="meta")
+    with pytest.raises(kc.CanaryError, match=r"^kv-canary: req_pool_indices is a Tensor on "
+                       r"device meta, which DLPack cannot share") as caught:
+        kc.plan(req_pool_indices=torch.zeros(1, dtype=torch.int64, device="meta"),
+                prefix_lens=np.zeros(1, np.int64), extend_seq_lens=np.zeros(1, np.int64),
+                req_to_token=np.zeros((2, 4), np.int32), verify_plan=kc.VerifyPlan.allocate(4),
+                write_plan=kc.WritePlan.allocate(1))
+    assert caught.value.key == "req_pool_indices"
+    with pytest.raises(kc.CanaryError, match=r"^kv-canary: RealKvSource.tensor is a Tensor on "
+                       r"device meta") as caught:
+        kc.RealKvSource(meta, page_size=1, num_bytes_per_token=64, read_bytes=64)
+    from kvcanary.dump import save
+
+    with pytest.raises(ValueError, match=r"key canary: canary is a Tensor on device meta"):
+        save(str(tmp_path / "meta.npz"), canary=meta)
+    assert not (tmp_path / "meta.npz").exists()
