@@ -15,8 +15,10 @@ import os
 import sys
 import warnings
 
+from ..format.errors import GUARD_PREFIX
+
 RESTART_WARNING = "resource_tracker: process died unexpectedly"
-RESTART_NOTE = ("kvcanary: warning: a helper process of the worker pool (multiprocessing's "
+RESTART_NOTE = (f"{GUARD_PREFIX}warning: a helper process of the worker pool (multiprocessing's "
                 "resource tracker) ended early; a new one took over and the work goes on")
 
 

@@ -72,9 +72,12 @@ def _interrupted_after_first_npy(real):
 
     def save_npy(file, array, **kwargs):
         calls.append(file)
-        if len(calls) > 1:   # the second file is cut short
-            with open(file, "wb") as handle:
-                handle.write(b"\x93NUMPY partial")
+        if len(calls) > 1:   # the second file is cut short (a path, or a stream's writes)
+            if hasattr(file, "write"):
+                file.write(b"\x93NUMPY partial")
+            else:
+                with open(file, "wb") as handle:
+                    handle.write(b"\x93NUMPY partial")
             raise Interrupted(signal.SIGTERM)
         real(file, array, **kwargs)
 
