@@ -41,7 +41,8 @@ def _no_gpu():
 
 def _no_cupy():
     if importlib.util.find_spec("cupy") is None:
-        return "cupy is not installed in this environment"
+        return ("cupy is not installed in this environment: pip install 'kvcanary[cuda13]' "
+                "(or [cuda12])")
     return None
 
 

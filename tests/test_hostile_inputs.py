@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 
+import skip_reasons
+
 import kvcanary as kc
 from kvcanary.audit import audit
 from kvcanary.dump import MAX_BLOCK_SIZE, VERSION_KEY, DumpError, load, save
@@ -491,7 +493,7 @@ def test_jobs_have_an_upper_bound():
 
 
 def test_a_huge_safetensors_header_is_refused_before_it_is_parsed(tmp_path):
-    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    safetensors_numpy = pytest.importorskip("safetensors.numpy", reason=skip_reasons.SAFETENSORS)
     path = str(tmp_path / "big.safetensors")
     arrays = one_request(np.ones((2, 4), np.int32), 4, 64)
     safetensors_numpy.save_file({VERSION_KEY: np.array(1, np.int64), **arrays}, path,

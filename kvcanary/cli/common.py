@@ -81,10 +81,13 @@ def end_output(exc: OSError) -> None:
 
 def require_output_folder(path: str, option: str) -> None:
     """Fail now (before any work) when the folder that is to hold ``path`` is missing or not
-    writable; the message names the option and the folder, never a temporary file."""
-    folder = os.path.dirname(os.path.abspath(path))
+    writable; the message names the option and the folder, never a temporary file. A link
+    is written where it points, so its target's folder is the one checked."""
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    folder = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(folder):
-        fail(f"{option} {path}: the folder {folder} does not exist")
+        link = f" (a link to {target})" if target != path else ""
+        fail(f"{option} {path}{link}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         fail(f"{option} {path}: the folder {folder} is not writable")
 

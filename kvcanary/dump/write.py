@@ -115,7 +115,7 @@ def _write(path: str, flavour: str, values: dict) -> None:
                                 "holds it)")
         with replacing(path, directory=True) as temporary:
             for key, array in values.items():
-                np.save(os.path.join(temporary, f"{key}.npy"), array, allow_pickle=False)
+                _save_npy(path, temporary, f"{key}.npy", array)
     else:
         import safetensors.numpy
 
@@ -129,6 +129,25 @@ def _write(path: str, flavour: str, values: dict) -> None:
                 tensors[key] = np.ascontiguousarray(array)
         with replacing(path) as temporary:
             safetensors.numpy.save_file(tensors, temporary, metadata=metadata or None)
+
+
+class _Writes:
+    """A file as numpy sees a stream: ``np.save`` then writes it with ``write`` calls, whose
+    errors keep their errno (a full disk is ENOSPC), where its own ``tofile`` on a real file
+    reports a short write as "N requested and M written" with no cause."""
+
+    def __init__(self, handle):
+        self.write = handle.write
+
+
+def _save_npy(path: str, folder: str, name: str, array: np.ndarray) -> None:
+    """One key of a directory dump, a failed write named by its file and its cause."""
+    try:
+        with open(os.path.join(folder, name), "wb") as handle:
+            np.save(_Writes(handle), array, allow_pickle=False)
+    except OSError as exc:
+        raise DumpError(f"{path}: cannot write the dump ({name}: "
+                        f"{exc.strerror or reason_of(exc)})") from None
 
 
 def _check_replaceable_directory(path: str) -> None:

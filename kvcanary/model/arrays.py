@@ -76,7 +76,7 @@ def as_array(x, name: str, *, untyped_as_bytes: bool = False):
 def _library_from_dlpack(x, name: str):
     """numpy's or cupy's own DLPack import (the per-launch path: far cheaper than reading
     the capsule here); they refuse the element types they lack."""
-    device_type = int(x.__dlpack_device__()[0])
+    device_type = dlpack.device(x, name)[0]
     if device_type in dlpack.HOST_DEVICES:
         return np.from_dlpack(x)
     if device_type in dlpack.CUDA_DEVICES:

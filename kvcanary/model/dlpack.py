@@ -63,6 +63,19 @@ def is_dlpack(x) -> bool:
     return hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__")
 
 
+def device(x, name: str) -> tuple:
+    """``(device_type, device_id)`` of a DLPack producer; a tensor DLPack cannot describe
+    (torch's ``meta`` device, which holds no data) is one error naming the argument."""
+    try:
+        device_type, device_id = (int(v) for v in x.__dlpack_device__())
+    except (ValueError, TypeError, RuntimeError, BufferError) as exc:
+        where = getattr(x, "device", None)
+        where = f" on device {where}" if where is not None else ""
+        raise CanaryError(f"{name} is a {type(x).__name__}{where}, which DLPack cannot share "
+                          f"({exc}); pass a tensor in CPU or CUDA memory", key=name) from None
+    return device_type, device_id
+
+
 @dataclass(frozen=True)
 class Tensor:
     """What an exported ``DLTensor`` says, with strides in elements (``None``: compact)."""
@@ -106,7 +119,7 @@ class Tensor:
 
 def export(x, name: str) -> Tensor:
     """Ask ``x`` for its DLPack capsule and read the ``DLTensor`` inside."""
-    device_type, device_id = (int(v) for v in x.__dlpack_device__())
+    device_type, device_id = device(x, name)
     if device_type in HOST_DEVICES:
         capsule = _call_dlpack(x, name, stream=None)
     elif device_type in CUDA_DEVICES:

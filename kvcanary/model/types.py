@@ -73,8 +73,19 @@ class ViolationLog:
 
     @property
     def total(self) -> int:
-        """Violations recorded since the last clear, dropped ones included."""
-        return int(to_host(self.write_index)[0])
+        """Violations recorded since the last clear, dropped ones included.
+
+        A negative index is corrupted state (the index only counts up from 0 and saturates,
+        never wraps): reading it, and so every count, :attr:`is_errored` and the rows, raises
+        :class:`CanaryError` naming ``violation_write_index``. Launches still append to such a
+        log as the kernels do; :meth:`clear` makes it whole again."""
+        total = int(to_host(self.write_index)[0])
+        if total < 0:
+            raise CanaryError(
+                f"violation_write_index is {total}: the log is corrupted (the index counts up "
+                f"from 0 and never wraps); clear() the log before reading it",
+                key="violation_write_index")
+        return total
 
     @property
     def valid_rows(self) -> int:

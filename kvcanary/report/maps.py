@@ -30,8 +30,10 @@ REASON_ORDER = (FailReason.SLOT_OUT_OF_RANGE, FailReason.SLOT_ZERO_IN_PREFIX,
                 FailReason.WRITE_TOKEN_MISMATCH, FailReason.WRITE_POSITION_MISMATCH,
                 FailReason.WRITE_SLOT_CONFLICT)
 REASON_LABELS = tuple(reason_label(bit) for bit in REASON_ORDER) + ("other",)
-REQUEST_MAP_ROWS = 128
-REQUEST_MAP_COLUMNS = 512
+# At most 64 x 192 cells, so that a cell is at least the page's 5 pixels a side (room for the
+# mark that tells states apart without their colour) in its 960 x 320 pixel map.
+REQUEST_MAP_ROWS = 64
+REQUEST_MAP_COLUMNS = 192
 POOL_MAP_CELLS = 8192
 POOL_MAP_COLUMNS = 128
 # Slots (or blocks) mapped twice named by id in the report.

@@ -22,13 +22,14 @@ from .. import __version__
 
 
 def dump_metadata(dump) -> dict:
-    """What a reader needs to know about the dump's layout (label -> value)."""
+    """What a reader needs to know about the dump's layout (label -> value). Counts the
+    summary gives (its sweep entries, all of them checked) are not repeated here."""
     table = "block_table" if dump.block_table is not None else "req_to_token"
     layout = (f"paged: {dump.block_size} positions per block" if dump.block_table is not None
               else "per-token slots")
     return {"layout": layout, "container": dump.flavour,
             "table": f"{table} {tuple(int(n) for n in dump.slot_table.shape)}",
-            "batch size": dump.batch_size, "sweep entries": dump.num_sweep_entries,
+            "batch size": dump.batch_size,
             "expected tokens": dump.expected_tokens is not None}
 
 

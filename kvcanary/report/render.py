@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from ..system.atomic import replacing
+from .palette import page_palette
 
 # Findings-table columns, in order, for the keys a finding has (label, key); -1 in the index
 # columns means "not applicable" (a sweep entry has no request row).
@@ -125,7 +126,8 @@ def render_html(report: dict) -> str:
         sections.append({**section, "table": _table(findings),
                          "parts": _summary(section.get("summary") or {})})
     return env.get_template("report.html.j2").render(
-        report=report, sections=sections, requests_listed=REQUESTS_LISTED, headings=HEADINGS)
+        report=report, sections=sections, requests_listed=REQUESTS_LISTED, headings=HEADINGS,
+        palette=page_palette())
 
 
 def write_html(report: dict, path: str) -> str:

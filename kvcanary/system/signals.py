@@ -20,6 +20,8 @@ import sys
 import threading
 from concurrent.futures.process import BrokenProcessPool
 
+from .tracker import quiet_resource_tracker
+
 # SIGHUP (the terminal went away) and SIGQUIT stop a command too: their default action
 # would end it without removing an output still under its temporary name.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
@@ -177,7 +179,10 @@ class WorkerPool:
         self._executor = None
         self._jobs, self._context = jobs, multiprocessing.get_context(start_method)
         self._retries: list = []   # the single-worker executors of retried tasks
+        self._quiet = contextlib.ExitStack()
         if jobs > 1:
+            # A killed resource tracker is one line, not a traceback per semaphore.
+            self._quiet.enter_context(quiet_resource_tracker())
             self._executor = self._new_executor(jobs)
 
     def _new_executor(self, workers: int):
@@ -241,9 +246,12 @@ class WorkerPool:
     def __exit__(self, kind, value, traceback) -> None:
         if self._executor is None:
             return
-        if kind is not None:
-            self._kill_workers()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        try:
+            if kind is not None:
+                self._kill_workers()
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        finally:
+            self._quiet.close()
 
     def _kill_workers(self) -> None:
         for executor in (self._executor, *self._retries):

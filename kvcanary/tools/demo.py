@@ -151,6 +151,7 @@ def run_engine_demo(engine: str = "transformers", seed: int = 0) -> EngineDemoRe
     )
 
     from ..integrations import transformers as kvt
+    from .engine_logs import without_setup_advisories
 
     transformers.utils.logging.set_verbosity_error()
     c = ENGINE_DEMO
@@ -168,7 +169,7 @@ def run_engine_demo(engine: str = "transformers", seed: int = 0) -> EngineDemoRe
                                   eos_token_id=None, pad_token_id=0)
 
     def generate(guard):
-        with guard:
+        with without_setup_advisories(), guard:
             model.generate_batch(inputs=prompts, generation_config=generation,
                                  continuous_batching_config=ContinuousBatchingConfig(
                                      page_size=c["page_size"], num_blocks=64,

@@ -76,7 +76,8 @@ def test_torch_kv_is_read_as_its_own_bytes(dtype):
 def test_packed_fp4_rows_are_their_packed_bytes():
     # Two e2m1 codes per byte, the first in the low nibble (DLPack's packing of sub-byte types).
     if not hasattr(torch, "float4_e2m1fn_x2"):
-        pytest.skip(f"torch {torch.__version__} has no float4_e2m1fn_x2")
+        pytest.skip(f"torch {torch.__version__} has no packed 4-bit float type (fp4, two per "
+                    "byte): a newer torch has it")
     codes = np.random.default_rng(1).integers(0, 16, (NUM_SLOTS, 2 * SLOT_BYTES), np.uint8)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     kv = torch_array(packed, torch.float4_e2m1fn_x2)
@@ -159,7 +160,8 @@ def test_torch_device_kv_is_read_as_its_own_bytes(dtype):
     try:
         torch.utils.dlpack.to_dlpack(kv)
     except Exception as exc:  # older torch exports no float8 through DLPack
-        pytest.skip(f"torch {torch.__version__} cannot export {dtype} through DLPack: {exc}")
+        pytest.skip(f"torch {torch.__version__} cannot export {dtype.replace('_', ' ')} "
+                    f"through DLPack ({type(exc).__name__}): a newer torch can")
     src = source(kv)
     assert int(src.tensor.data.ptr) == kv.data_ptr()  # no copy
     as_bytes = source(cupy.asarray(raw))
@@ -169,3 +171,23 @@ def test_torch_device_kv_is_read_as_its_own_bytes(dtype):
     assert wide.row_stride_bytes == SLOT_BYTES + 32
     hashes = [fingerprints(s, cupy) for s in (src, as_bytes, wide)]
     assert hashes[0] == hashes[1] == hashes[2] == fingerprints(source(raw.cpu().numpy()))
+
+
+def test_a_tensor_on_the_meta_device_is_one_error_naming_the_argument(tmp_path):
+    # torch's meta device holds no data and DLPack has no device type for it.
+    meta = torch.zeros(4, 64, dtype=torch.uint8, device="meta")
+    with pytest.raises(kc.CanaryError, match=r"^kv-canary: req_pool_indices is a Tensor on "
+                       r"device meta, which DLPack cannot share") as caught:
+        kc.plan(req_pool_indices=torch.zeros(1, dtype=torch.int64, device="meta"),
+                prefix_lens=np.zeros(1, np.int64), extend_seq_lens=np.zeros(1, np.int64),
+                req_to_token=np.zeros((2, 4), np.int32), verify_plan=kc.VerifyPlan.allocate(4),
+                write_plan=kc.WritePlan.allocate(1))
+    assert caught.value.key == "req_pool_indices"
+    with pytest.raises(kc.CanaryError, match=r"^kv-canary: RealKvSource.tensor is a Tensor on "
+                       r"device meta") as caught:
+        kc.RealKvSource(meta, page_size=1, num_bytes_per_token=64, read_bytes=64)
+    from kvcanary.dump import save
+
+    with pytest.raises(ValueError, match=r"key canary: canary is a Tensor on device meta"):
+        save(str(tmp_path / "meta.npz"), canary=meta)
+    assert not (tmp_path / "meta.npz").exists()

@@ -8,6 +8,8 @@ import json
 import tracemalloc
 
 import pytest
+
+import skip_reasons
 from click.testing import CliRunner
 from test_audit_flood import written
 
@@ -82,7 +84,7 @@ def test_a_long_finding_list_reads_like_a_list(flooded, monkeypatch):
 
 
 def test_the_page_caps_its_table_and_says_how_many_it_leaves_out(flooded, tmp_path, monkeypatch):
-    pytest.importorskip("jinja2")
+    pytest.importorskip("jinja2", reason=skip_reasons.REPORT)
     monkeypatch.setattr("kvcanary.report.model.TABLE_FINDINGS", 100)
     page = tmp_path / "r.html"
     result = CliRunner().invoke(main, ["audit", flooded, "--max-findings", "0", "--html", str(page)])

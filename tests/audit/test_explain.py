@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import skip_reasons
 from click.testing import CliRunner
 
 from kvcanary.cli.main import main
@@ -203,7 +205,7 @@ def test_distinct_findings_kept_are_bounded(monkeypatch):
 
 
 def test_html_report_keeps_the_exit_code_and_holds_every_finding(tmp_path):
-    pytest.importorskip("jinja2", reason="the HTML report needs the report extra (jinja2)")
+    pytest.importorskip("jinja2", reason=skip_reasons.REPORT)
     page = tmp_path / "explain.html"
     result = CliRunner().invoke(main, ["explain", str(DATA / "decode.log"), "--html", str(page)])
     assert result.exit_code == 1 and f"html report: {page}" in result.output

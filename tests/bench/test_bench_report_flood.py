@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
+import skip_reasons
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_report_flood.py"
 
 
 def test_bench_report_flood_quick():
-    pytest.importorskip("jinja2", reason="the HTML report needs the report extra (jinja2)")
+    pytest.importorskip("jinja2", reason=skip_reasons.REPORT)
     result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--repeats", "1"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

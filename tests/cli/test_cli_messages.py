@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 import pytest
+
+import skip_reasons
 from click.testing import CliRunner
 
 from kvcanary.cli import main
@@ -169,7 +171,7 @@ def test_html_into_a_missing_folder_fails_before_any_work(tmp_path):
 
     from kvcanary.dump import save
 
-    pytest.importorskip("jinja2", reason="the HTML report needs the report extra (jinja2)")
+    pytest.importorskip("jinja2", reason=skip_reasons.REPORT)
     dump = save(str(tmp_path / "d.npz"), **build())
     log = tmp_path / "x.log"
     log.write_text("")
@@ -178,3 +180,11 @@ def test_html_into_a_missing_folder_fails_before_any_work(tmp_path):
         result = invoke(*args, "--html", page)
         one_error_line(result, f"--html {page}: the folder {page.parent} does not exist")
         assert ".partial" not in result.output and "summary" not in result.output
+    # A dangling link into a missing folder: the folder it points into, before any work.
+    link = tmp_path / "link.html"
+    link.symlink_to(page)
+    for args in (["audit", dump, "--backend", "numpy"], ["explain", log]):
+        result = invoke(*args, "--html", link)
+        one_error_line(result, f"--html {link} (a link to {page}): the folder {page.parent} "
+                               "does not exist")
+        assert "summary" not in result.output

@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import pytest
 
+import skip_reasons
+
 import kvcanary as kc
 from builders import linear_req_to_token, make_context, run_plan
 from interrupt_harness import interrupt, snapshot
@@ -148,7 +150,7 @@ SYNTH = ["--requests", 2000, "--slots", 65536, "--max-running", 64, "--verify-ev
     pytest.param(signal.SIGTERM, "out.npz", False, id="SIGTERM-npz-new"),
 ])
 def test_synth(sig, out, earlier, tmp_path):
-    pytest.importorskip("safetensors")
+    pytest.importorskip("safetensors", reason=skip_reasons.SAFETENSORS)
     if earlier:
         earlier_dump(tmp_path / out)
     before = snapshot(tmp_path)

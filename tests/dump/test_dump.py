@@ -11,6 +11,8 @@ import zipfile
 import numpy as np
 import pytest
 
+import skip_reasons
+
 from kvcanary import LaunchTag, RealKvHashMode
 from kvcanary.dump import DumpError, load, save
 
@@ -123,7 +125,7 @@ def _write_safetensors(path, tensors: dict, metadata: dict):
 
 
 def test_safetensors_bf16_and_fp8_sources_read_as_bytes(tmp_path):
-    pytest.importorskip("safetensors")
+    pytest.importorskip("safetensors", reason=skip_reasons.SAFETENSORS)
     base = minimal()
     tensors = {key: ({np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32",
                       np.dtype(np.int64): "I64"}[value.dtype], value.shape, value.tobytes())

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import skip_reasons
+
 from kvcanary.format import errors
 from kvcanary.format.errors import CanaryRuntimeError, GuardError
 
@@ -24,8 +26,8 @@ def test_guard_error_is_a_runtime_error_of_the_family():
 
 
 def test_the_transformers_guard_raises_the_family_error():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    pytest.importorskip("torch", reason=skip_reasons.transformers_extra("torch"))
+    pytest.importorskip("transformers", reason=skip_reasons.transformers_extra("transformers"))
     from kvcanary.integrations import transformers as kvt
     assert kvt.GuardError is GuardError
 

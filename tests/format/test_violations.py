@@ -119,3 +119,22 @@ def test_violation_log_state_after_overflow():
     assert [v.slot_idx for v in log.violations()] == [1, 2]
     log.clear()
     assert log.total == 0 and not log.ring.any()
+
+
+def test_a_negative_write_index_is_corrupted_state_and_refused_on_read():
+    # The index only counts up from 0 (and saturates): a negative one was written from
+    # outside. Violations move it, yet it can stay negative; no read calls that clean.
+    ctx = make_context(ring_capacity=4)
+    log = ctx.violation_log
+    log.write_index[0] = -5
+    kc.verify(ctx, make_verify_plan([1, 2, 3], [0, 0, 0], [-1, -1, -1]))
+    assert int(log.write_index[0]) == -2                  # the launch appends as the kernels do
+    for read in ("is_errored", "total", "valid_rows", "ring_overflow", "dropped"):
+        with pytest.raises(kc.CanaryError, match=r"^kv-canary: violation_write_index is -2: "
+                           r"the log is corrupted") as caught:
+            getattr(log, read)
+        assert caught.value.key == "violation_write_index"
+    with pytest.raises(kc.CanaryError, match="violation_write_index is -2"):
+        log.violations()
+    log.clear()
+    assert log.total == 0 and not log.is_errored

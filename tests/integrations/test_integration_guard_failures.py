@@ -8,9 +8,11 @@ import logging
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch (pip install 'kvcanary[transformers]')")
+import skip_reasons
+
+torch = pytest.importorskip("torch", reason=skip_reasons.transformers_extra("torch"))
 transformers = pytest.importorskip(
-    "transformers", reason="needs transformers (pip install 'kvcanary[transformers]')")
+    "transformers", reason=skip_reasons.transformers_extra("transformers"))
 
 from test_integration_transformers import batching, generation, make_model, prompts  # noqa: E402
 

@@ -4,6 +4,7 @@ attributed to the right request and position, and transformers is left as it was
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import sys
@@ -11,9 +12,11 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch (pip install 'kvcanary[transformers]')")
+import skip_reasons
+
+torch = pytest.importorskip("torch", reason=skip_reasons.transformers_extra("torch"))
 transformers = pytest.importorskip(
-    "transformers", reason="needs transformers (pip install 'kvcanary[transformers]')")
+    "transformers", reason=skip_reasons.transformers_extra("transformers"))
 
 from click.testing import CliRunner  # noqa: E402
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -463,12 +466,63 @@ def test_guard_runs_the_cuda_kernels_on_engine_tensors():
 # ------------------------------------------------------------------ demo
 
 
-def test_demo_engine_transformers_finds_the_injected_fault():
-    result = CliRunner().invoke(main, ["demo", "--engine", "transformers"])
+class EngineLog(logging.Handler):
+    """What transformers' loggers write, as their own console handlers would show it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+    @contextlib.contextmanager
+    def attached(self):
+        from transformers.generation.continuous_batching.utils import logger as batching
+
+        loggers = (batching, logging.getLogger("transformers"))
+        for logger in loggers:
+            logger.addHandler(self)
+        try:
+            yield self
+        finally:
+            for logger in loggers:
+                logger.removeHandler(self)
+
+
+def test_demo_engine_transformers_finds_the_injected_fault(monkeypatch):
+    # As where psutil is not installed: transformers then logs ERROR lines about memory
+    # breakdowns, which say nothing about the demo and are not shown.
+    from transformers.generation.continuous_batching import offloading_manager, utils
+
+    for module in (utils, offloading_manager):
+        monkeypatch.setattr(module, "is_psutil_available", lambda: False)
+    with EngineLog().attached() as engine_log:
+        result = CliRunner().invoke(main, ["demo", "--engine", "transformers"])
     assert result.exit_code == 0, result.output
     assert "clean run:" in result.output and "0 finding(s)" in result.output
     assert "remapped" in result.output and result.output.rstrip().endswith(
         "the fault was found at its request")
+    assert engine_log.lines == []
+    assert "psutil" not in result.output and "ERROR" not in result.output
+
+
+def test_the_demo_drops_only_the_engines_set_up_advisories():
+    from transformers.generation.continuous_batching.utils import logger
+
+    from kvcanary.tools.engine_logs import without_setup_advisories
+
+    with EngineLog().attached() as engine_log:
+        with without_setup_advisories():
+            logger.error("Cannot get memory breakdown on CPU without psutil: please install "
+                         "psutil.")
+            logger.error("CUDA out of memory while allocating the cache")
+            logging.getLogger("transformers.generation").error("generation failed: bad input")
+        logger.error("Cannot get memory breakdown on CPU without psutil: after the demo")
+    assert engine_log.lines == [
+        "ERROR CUDA out of memory while allocating the cache",
+        "ERROR generation failed: bad input",
+        "ERROR Cannot get memory breakdown on CPU without psutil: after the demo"]
 
 
 def test_demo_engine_without_transformers_is_exit_2(monkeypatch):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch", reason="needs torch (pip install 'kvcanary[transformers]')")
-pytest.importorskip("transformers", reason="needs transformers (pip install 'kvcanary[transformers]')")
+import skip_reasons
+
+pytest.importorskip("torch", reason=skip_reasons.transformers_extra("torch"))
+pytest.importorskip("transformers", reason=skip_reasons.transformers_extra("transformers"))
 
 from test_integration_transformers import (  # noqa: E402
     PAGE,

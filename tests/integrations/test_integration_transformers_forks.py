@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch (pip install 'kvcanary[transformers]')")
+import skip_reasons
+
+torch = pytest.importorskip("torch", reason=skip_reasons.transformers_extra("torch"))
 transformers = pytest.importorskip(
-    "transformers", reason="needs transformers (pip install 'kvcanary[transformers]')")
+    "transformers", reason=skip_reasons.transformers_extra("transformers"))
 
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402

@@ -11,9 +11,11 @@ import random
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch (pip install 'kvcanary[transformers]')")
+import skip_reasons
+
+torch = pytest.importorskip("torch", reason=skip_reasons.transformers_extra("torch"))
 transformers = pytest.importorskip(
-    "transformers", reason="needs transformers (pip install 'kvcanary[transformers]')")
+    "transformers", reason=skip_reasons.transformers_extra("transformers"))
 
 from click.testing import CliRunner  # noqa: E402
 from transformers import (  # noqa: E402

@@ -19,12 +19,14 @@ import time
 
 import pytest
 
+import skip_reasons
+
 pytest.importorskip("torch", reason="needs torch (pip install 'kvcanary[serve]')")
-transformers = pytest.importorskip("transformers", reason="needs kvcanary[serve]")
-openai = pytest.importorskip("openai", reason="needs kvcanary[serve]")
-pytest.importorskip("prometheus_client", reason="needs kvcanary[serve]")
-pytest.importorskip("fastapi", reason="needs kvcanary[serve]")
-pytest.importorskip("accelerate", reason="needs kvcanary[serve] (transformers[serving])")
+transformers = pytest.importorskip("transformers", reason=skip_reasons.SERVE)
+openai = pytest.importorskip("openai", reason=skip_reasons.SERVE)
+pytest.importorskip("prometheus_client", reason=skip_reasons.SERVE)
+pytest.importorskip("fastapi", reason=skip_reasons.SERVE)
+pytest.importorskip("accelerate", reason=skip_reasons.SERVE + " (transformers[serving])")
 
 from click.testing import CliRunner  # noqa: E402
 from serve_support import Server, build_tiny_model, get_json, get_text  # noqa: E402
@@ -343,7 +345,7 @@ SOAK_REQUESTS, SOAK_WARM = 5000, 500
 def test_soak_keeps_the_servers_memory_flat(model_dir, tmp_path):
     """5,000 requests: the server's RSS after them is within 5% of where it was after the
     first 500 (what the guard keeps per finished request is dropped)."""
-    psutil = pytest.importorskip("psutil")
+    psutil = pytest.importorskip("psutil", reason=skip_reasons.transformers_extra("psutil"))
     server = Server(model_dir, "--sources", "kv-all", log_path=tmp_path / "server.log")
     try:
         process = psutil.Process(server.proc.pid)

@@ -50,7 +50,7 @@ def upstream():
     try:
         return sglang_oracle.oracle()
     except sglang_oracle.Unavailable as exc:
-        pytest.skip(f"SGLang {sglang_oracle.version()} oracle unavailable: {exc}")
+        pytest.skip(f"SGLang {sglang_oracle.version()}'s reference code cannot run here: {exc}")
 
 
 class SetAside(Exception):

@@ -14,6 +14,8 @@ import sys
 
 import numpy as np
 import pytest
+
+import skip_reasons
 from click.testing import CliRunner
 
 import kvcanary
@@ -27,7 +29,7 @@ from kvcanary.report.maps import CELL_CLEAN, CELL_EMPTY, CELL_REASON, REASON_LAB
 from report_support import (FLIPPED, PAGED_BAD, REMAPPED, flipped_slots, paged_arrays,
                             paged_bad_block, per_token_arrays, save_dump, twice_slot)
 
-pytest.importorskip("jinja2", reason="the HTML report needs the report extra (jinja2)")
+pytest.importorskip("jinja2", reason=skip_reasons.REPORT)
 
 
 def decode(field, dtype=None) -> np.ndarray:

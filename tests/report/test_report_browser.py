@@ -10,25 +10,35 @@ import json
 
 import numpy as np
 import pytest
+
+import skip_reasons
 from click.testing import CliRunner
 
 from browser import Browser, find_chromium
 from kvcanary.audit import audit
 from kvcanary.cli import main
+from kvcanary.report.palette import POOL_STATES, REQUEST_STATES, ink
 from report_support import (FLIPPED, REMAPPED, paged_arrays, paged_bad_block, per_token_arrays,
                             save_dump, sweep_only_arrays, twice_slot)
 
 CHROMIUM = find_chromium()
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not found (the report's "
                                 "browser tests need the distribution's chromium package)")
-pytest.importorskip("jinja2", reason="the HTML report needs the report extra (jinja2)")
+pytest.importorskip("jinja2", reason=skip_reasons.REPORT)
 
-# The page's colours (report.js), as RGB.
-VERIFY_POSITION = (0xd7, 0x30, 0x1f)
-CLEAN = (0xc9, 0xdc, 0xcb)
-EMPTY = (0xf4, 0xf5, 0xf6)
-POOL_TWICE_AND_FINDING = (0x7b, 0x32, 0x94)
-POOL_USED = (0xbc, 0xcb, 0xd9)
+
+
+def rgb(colour: str) -> tuple:
+    return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+
+
+# The page's fills (kvcanary/report/palette.py), as RGB.
+VERIFY_POSITION = rgb(REQUEST_STATES["verify_position"][0])
+CLEAN = rgb(REQUEST_STATES["checked, clean"][0])
+EMPTY = rgb(REQUEST_STATES["nothing checked"][0])
+POOL_TWICE_AND_FINDING = rgb(POOL_STATES["both"][0])
+POOL_USED = rgb(POOL_STATES["used, no finding"][0])
+POOL_FINDING = rgb(POOL_STATES["with findings"][0])
 
 
 def write_report(tmp_path, name: str, arrays: dict) -> tuple:
@@ -130,11 +140,18 @@ def canvas_cells(page, selector: str) -> tuple:
     return box, image
 
 
+def cell_image(image, box, row: int, column: int) -> np.ndarray:
+    """The pixels of one cell, ``(ch, cw, 3)``."""
+    y = box["border"] + row * box["ch"]
+    x = box["border"] + column * box["cw"]
+    return image[y:y + box["ch"], x:x + box["cw"]]
+
+
 def pixel(image, box, row: int, column: int) -> tuple:
-    """The colour at the centre of a cell."""
-    y = box["border"] + row * box["ch"] + box["ch"] // 2
-    x = box["border"] + column * box["cw"] + box["cw"] // 2
-    return tuple(int(v) for v in image[y, x])
+    """The colour most of a cell's pixels have (its fill: the mark over it is thin)."""
+    pixels = cell_image(image, box, row, column).reshape(-1, 3)
+    colours, counts = np.unique(pixels, axis=0, return_counts=True)
+    return tuple(int(v) for v in colours[counts.argmax()])
 
 
 def pool_pixel(page, unit: int) -> tuple:
@@ -169,9 +186,11 @@ def test_screenshot_has_the_request_map_where_it_should_be(known):
     assert near(pixel(image, box, rank[2], 50), EMPTY)        # batch index 2 ends at 40
     (b, p), _ = REMAPPED
     assert near(pixel(image, box, rank[b], p), VERIFY_POSITION)
-    red = np.all(np.abs(image.astype(int) - VERIFY_POSITION) <= 6, axis=2)
-    # Nothing else is red: 16 + 1 cells of verify_position, each cw x ch pixels.
-    assert red.sum() == 17 * box["cw"] * box["ch"]
+    # Nothing else has verify_position's fill: 16 + 1 cells.
+    rows = (round(box["height"]) - 2 * box["border"]) // box["ch"]
+    columns = (round(box["width"]) - 2 * box["border"]) // box["cw"]
+    assert sum(near(pixel(image, box, r, c), VERIFY_POSITION)
+               for r in range(rows) for c in range(columns)) == 17
 
 
 def test_screenshot_of_the_pool_marks_the_slot_mapped_twice(known):
@@ -196,7 +215,7 @@ def test_paged_report_draws_block_boundaries_and_the_block_map(tmp_path, browser
     pool = json.loads(page.evaluate("document.querySelector('script.map-data').textContent"))
     assert pool["pool"]["unit"] == "block"
     assert page.evaluate("document.querySelector('h3 + p + .map-wrap ~ h3').textContent") == "Blocks"
-    assert near(pool_pixel(page, paged_bad_block(arrays)), VERIFY_POSITION)
+    assert near(pool_pixel(page, paged_bad_block(arrays)), POOL_FINDING)
 
 
 def test_a_dump_with_only_sweep_entries_has_no_request_map(tmp_path, browser):
@@ -226,3 +245,73 @@ def test_explain_report_of_an_sglang_log_loads_with_its_findings_and_patterns(tm
     assert dom["rows"] == 12             # the log's 160 rows merge into 12 distinct findings
     assert any(n.startswith("pattern ring-overflow") for n in dom["notes"])
     assert "172 violations reported, 160 rows logged" in dom["text"]
+
+
+def row_labels(page, selector: str) -> list:
+    return page.evaluate(f"""(() => {{
+        const c = document.querySelector('{selector}'), wrap = c.closest('.map-wrap');
+        const top = c.getBoundingClientRect().top + c.clientTop;
+        return [...wrap.querySelectorAll('.row-label')].map((l) => ({{
+            first: Number(l.dataset.first), last: Number(l.dataset.last), text: l.textContent,
+            top: l.getBoundingClientRect().top - top, height: l.getBoundingClientRect().height,
+            visible: l.scrollWidth <= l.clientWidth + 1}}));
+    }})()""")
+
+
+@pytest.mark.parametrize("selector", ["canvas.request-map", "canvas.pool-map"])
+def test_every_map_row_has_a_label_beside_it(known, selector):
+    _, _, _, page = known
+    box = page.evaluate(f"""(() => {{ const c = document.querySelector('{selector}');
+        return {{rows: c.height / Number(c.dataset.cellHeight), ch: Number(c.dataset.cellHeight)}}; }})()""")
+    rows = box["rows"]
+    labels = row_labels(page, selector)
+    covered = [r for label in labels for r in range(label["first"], label["last"] + 1)]
+    assert covered == list(range(rows))                  # each row in exactly one label
+    for label in labels:
+        assert label["text"] and label["visible"], label
+        assert label["top"] == pytest.approx(label["first"] * box["ch"], abs=1)
+        assert label["height"] == pytest.approx((label["last"] - label["first"] + 1) * box["ch"],
+                                                abs=1)
+    title = page.evaluate(f"document.querySelector('{selector}').closest('.map-wrap')"
+                          ".querySelector('.row-title').textContent")
+    if selector == "canvas.request-map":                 # one live request per row
+        assert title == "live request (request row)"
+        assert [label["text"] for label in labels] == ["0 (row 1)", "1 (row 3)", "2 (row 4)",
+                                                       "3 (row 5)"]
+    else:                                                # the first and last slot of each band
+        assert title == "slots"
+        pool = json.loads(page.evaluate("document.querySelector('script.map-data').textContent"))
+        per_label = pool["pool"]["columns"] * (labels[0]["last"] + 1)
+        assert labels[0]["text"] == f"0\u2013{per_label - 1}"
+        assert labels[-1]["text"].endswith(f"\u2013{pool['pool']['units'] - 1}")
+
+
+def test_a_cell_and_its_legend_swatch_carry_the_states_mark(known):
+    _, _, _, page = known
+    batch, positions = FLIPPED                                     # rank 2: batch index 3
+    drawn = page.evaluate(f"""(() => {{
+        const c = document.querySelector('canvas.request-map');
+        const cw = Number(c.dataset.cellWidth), ch = Number(c.dataset.cellHeight);
+        const d = c.getContext('2d').getImageData({positions[0]} * cw, 2 * ch, cw, ch).data, px = [];
+        for (let i = 0; i < d.length; i += 4) px.push([d[i], d[i + 1], d[i + 2]]);
+        return {{cw, ch, px}};
+    }})()""")
+    box = {"cw": drawn["cw"], "ch": drawn["ch"]}
+    cell = np.array(drawn["px"]).reshape(box["ch"], box["cw"], 3)
+    fill, mark = REQUEST_STATES["verify_position"]
+    assert mark == "backslash"
+    ink_pixels = np.all(np.abs(cell - rgb(ink(fill))) <= 6, axis=2)
+    diagonal = np.array([[x == y for x in range(box["cw"])] for y in range(box["ch"])])
+    assert ink_pixels.any() and np.array_equal(ink_pixels, ink_pixels & diagonal)
+    # Each legend swatch shows its state's mark: ink pixels unless the mark is plain.
+    swatches = page.evaluate("""[...document.querySelectorAll('canvas.swatch')].map((c) => {
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data, px = [];
+        for (let i = 0; i < d.length; i += 4) px.push([d[i], d[i + 1], d[i + 2]]);
+        return {state: c.dataset.state, map: c.closest('.map-wrap').querySelector('canvas.map').dataset.map, px};
+    })""")
+    assert {s["state"] for s in swatches if s["map"] == "pool"} == set(POOL_STATES)
+    for swatch in swatches:
+        states = REQUEST_STATES if swatch["map"] == "requests" else POOL_STATES
+        fill, mark = states[swatch["state"]]
+        inked = sum(near(p, rgb(ink(fill)), 2) for p in swatch["px"])
+        assert (inked > 0) == (mark != "plain"), swatch["state"]

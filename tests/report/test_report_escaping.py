@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("jinja2")
+import skip_reasons
+
+pytest.importorskip("jinja2", reason=skip_reasons.REPORT)
 
 from kvcanary.report import build_report, error_section  # noqa: E402
 from kvcanary.report.render import render_html  # noqa: E402

@@ -29,8 +29,8 @@ def clean(request):
 @pytest.mark.parametrize("kind", PAGED_FAULT_KINDS)
 def test_every_class_of_a_paged_kind_is_scored_at_its_sites(clean, kind):
     if kind == "evicted-block" and clean.config.swa_window:
-        pytest.skip("a 40-token window rarely reuses a 16-slot cached block: evicted-block is "
-                    "covered by the block4 run")
+        pytest.skip("a 40-token window rarely reuses a 16-slot cached block: the run with "
+                    "4-slot blocks covers evicted-block")
     faulty = copy.deepcopy(clean)
     for target in kind_targets(kind):
         faulty.inject_up_to(kind, 3, target)

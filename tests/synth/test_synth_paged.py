@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+import skip_reasons
 from click.testing import CliRunner
 
 from kvcanary.audit import audit
@@ -145,7 +147,8 @@ def test_evicted_block_is_paged_only_and_config_errors():
 
 @pytest.mark.parametrize("name", ["d.npz", "d_dir", "d.safetensors"])
 def test_block_table_keys_in_every_container(tmp_path, name):
-    pytest.importorskip("safetensors") if name.endswith(".safetensors") else None
+    if name.endswith(".safetensors"):
+        pytest.importorskip("safetensors", reason=skip_reasons.SAFETENSORS)
     synthesis = run(seed=2, block_size=4)
     d = roundtrip(tmp_path, synthesis, name)
     np.testing.assert_array_equal(d.block_table, synthesis.table)

@@ -92,3 +92,43 @@ def test_pool_reports_a_task_that_raised_in_order(jobs):
     assert outcomes == [1, ("failed", "x"), 3]
     with pytest.raises(ValueError), WorkerPool(jobs, start_method="spawn") as pool:
         list(pool.map(int, ["x"]))
+
+
+TRACKER_KILLED = r"""
+import os, signal, time
+from kvcanary.system.signals import WorkerPool
+
+def trackers():
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == os.getpid() and b"resource_tracker" in command:
+            found.append(int(pid))
+    return found
+
+with WorkerPool(2) as pool:
+    results = pool.map(time.sleep, [0.05] * 6)
+    next(results)
+    (tracker,) = trackers()
+    os.kill(tracker, signal.SIGKILL)
+    os.waitpid(tracker, 0)
+    list(results)
+print("done")
+"""
+
+
+def test_a_killed_resource_tracker_is_one_line_not_a_traceback_per_semaphore():
+    import subprocess
+
+    from kvcanary.system.tracker import RESTART_NOTE
+
+    done = subprocess.run([sys.executable, "-c", TRACKER_KILLED], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "done\n", done.stderr
+    assert done.stderr == RESTART_NOTE + "\n"

@@ -27,10 +27,9 @@ import time
 
 import numpy as np
 
-from ...format.consts import (CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES_LIMIT, LaunchTag,
-                              RealKvHashMode)
+from ... import (CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES_LIMIT, CanaryContext, LaunchTag,
+                 RealKvHashMode, RealKvSource, ViolationLog)
 from ...format.errors import GuardError
-from ...model.types import CanaryContext, RealKvSource, ViolationLog
 from .session import Session
 
 

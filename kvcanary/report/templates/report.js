@@ -2,15 +2,15 @@
 // the findings tables. No external resource, no network request.
 "use strict";
 (function () {
-  // Cell colours; the report's tests read them back from a screenshot.
-  var REASON_COLOURS = {
-    slot_out_of_range: "#7b3294", slot_zero_in_prefix: "#c51b7d", verify_position: "#d7301f",
-    verify_token: "#f28e2b", verify_chain_hash: "#e6ab02", verify_real_kv_hash: "#1b9e77",
-    write_token: "#386cb0", write_position: "#66a61e", write_slot_conflict: "#a6761d", other: "#555555"
-  };
-  var EMPTY = "#f4f5f6", CLEAN = "#c9dccb", BOUNDARY = "rgba(20, 30, 40, 0.55)";
-  var POOL = { unused: "#f4f5f6", used: "#bccbd9", finding: "#d7301f", twice: "#f28e2b", both: "#7b3294" };
+  // Fills and marks (kvcanary/report/palette.py, inline as JSON); the tests read them back
+  // from a screenshot.
+  var PALETTE = JSON.parse(document.getElementById("palette").textContent);
+  var REQUEST = PALETTE.requests, POOL = PALETTE.pool, MIN_CELL = PALETTE.min_cell_px;
+  var EMPTY = "nothing checked", CLEAN = "checked, clean", BOUNDARY = "rgba(20, 30, 40, 0.55)";
+  var POOL_UNUSED = "not used by a checked entry", POOL_USED = "used, no finding";
+  var POOL_FINDING = "with findings", POOL_TWICE = "mapped twice", POOL_BOTH = "both";
   var MAP_WIDTH = 960, REQUEST_MAP_HEIGHT = 320, POOL_CELL = 10;   // pixels: the largest pool cell
+  var LABEL_PX = 13;   // a row label's height: thinner rows share one label
   var tip = document.getElementById("tip");
 
   function bytes(b64) {
@@ -33,13 +33,61 @@
     head.textContent = title;
     el.appendChild(head);
     items.forEach(function (item) {
-      var row = document.createElement("div"), swatch = document.createElement("i");
-      swatch.style.background = item[1];
+      var row = document.createElement("div"), swatch = document.createElement("canvas");
+      swatch.width = swatch.height = 14;
+      swatch.className = "swatch";
+      swatch.dataset.state = item[2];
+      paint(swatch.getContext("2d"), item[1], 0, 0, 14, 14);
       row.appendChild(swatch);
       row.appendChild(document.createTextNode(item[0]));
       el.appendChild(row);
     });
   }
+  // A cell: its fill, then its mark in the fill's ink (colour is never the only cue).
+  function paint(ctx, state, x, y, w, h) {
+    ctx.fillStyle = state.fill;
+    ctx.fillRect(x, y, w, h);
+    ctx.fillStyle = state.ink;
+    var n = Math.min(w, h), i, mark = state.mark;
+    if (mark === "slash" || mark === "cross")
+      for (i = 0; i < n; i++) ctx.fillRect(x + Math.floor(i * w / n), y + h - 1 - Math.floor(i * h / n), 1, 1);
+    if (mark === "backslash" || mark === "cross")
+      for (i = 0; i < n; i++) ctx.fillRect(x + Math.floor(i * w / n), y + Math.floor(i * h / n), 1, 1);
+    if (mark === "hbar" || mark === "plus") ctx.fillRect(x, y + Math.floor(h / 2), w, 1);
+    if (mark === "vbar" || mark === "plus") ctx.fillRect(x + Math.floor(w / 2), y, 1, h);
+    if (mark === "dot") {
+      var d = Math.max(1, Math.floor(n / 3));
+      ctx.fillRect(x + Math.floor((w - d) / 2), y + Math.floor((h - d) / 2), d, d);
+    }
+    if (mark === "frame") {
+      ctx.fillRect(x, y, w, 1); ctx.fillRect(x, y + h - 1, w, 1);
+      ctx.fillRect(x, y, 1, h); ctx.fillRect(x + w - 1, y, 1, h);
+    }
+  }
+  // Row labels beside a map: every row is in one labelled band (one row per band where a row
+  // is as tall as a label, else as few rows as make one label's height).
+  function rowLabels(el, title, rows, height, name) {
+    var band = Math.max(1, Math.ceil(LABEL_PX / height)), box = document.createElement("div");
+    box.className = "row-labels";
+    box.style.height = rows * height + "px";
+    for (var r = 0; r < rows; r += band) {
+      var last = Math.min(rows, r + band) - 1, label = document.createElement("div");
+      label.className = "row-label";
+      label.style.top = r * height + "px";
+      label.style.height = (last - r + 1) * height + "px";
+      label.dataset.first = r;
+      label.dataset.last = last;
+      label.textContent = name(r, last);
+      box.appendChild(label);
+    }
+    el.appendChild(box);
+    var head = document.createElement("div");   // under the labels, as the axis is under the map
+    head.className = "row-title";
+    head.textContent = title;
+    el.appendChild(head);
+  }
+  function span(first, last) { return first === last ? String(first) : first + "\u2013" + last; }
+
   function hover(canvas, describe) {
     canvas.addEventListener("mousemove", function (e) {
       var r = canvas.getBoundingClientRect(), text = describe(e.clientX - r.left, e.clientY - r.top);
@@ -52,21 +100,24 @@
     canvas.addEventListener("mouseleave", function () { tip.hidden = true; });
   }
 
-  function requestMap(canvas, m, legendEl) {
+  function requestMap(canvas, m, legendEl, labelsEl) {
     var codes = bytes(m.codes), entries = counts(m.entries), rows = counts(m.violations);
     var requestRows = i64(m.request_rows);
-    var cw = Math.max(1, Math.min(16, Math.floor(MAP_WIDTH / m.columns)));
-    var ch = Math.max(2, Math.min(16, Math.floor(REQUEST_MAP_HEIGHT / m.rows)));
+    var cw = Math.max(MIN_CELL, Math.min(16, Math.floor(MAP_WIDTH / m.columns)));
+    var ch = Math.max(MIN_CELL, Math.min(16, Math.floor(REQUEST_MAP_HEIGHT / m.rows)));
     canvas.width = m.columns * cw;
     canvas.height = m.rows * ch;
     canvas.dataset.cellWidth = cw;
     canvas.dataset.cellHeight = ch;
-    var colours = [EMPTY, CLEAN].concat(m.reasons.map(function (r) { return REASON_COLOURS[r] || REASON_COLOURS.other; }));
+    var states = [REQUEST[EMPTY], REQUEST[CLEAN]].concat(m.reasons.map(function (r) { return REQUEST[r] || REQUEST.other; }));
     var ctx = canvas.getContext("2d");
-    for (var c = 0; c < codes.length; c++) {
-      ctx.fillStyle = colours[codes[c]];
-      ctx.fillRect((c % m.columns) * cw, Math.floor(c / m.columns) * ch, cw, ch);
-    }
+    for (var c = 0; c < codes.length; c++)
+      paint(ctx, states[codes[c]], (c % m.columns) * cw, Math.floor(c / m.columns) * ch, cw, ch);
+    rowLabels(labelsEl, m.requests_per_row === 1 ? "live request (request row)" : "live requests",
+      m.rows, ch, function (first, last) {
+        var r0 = first * m.requests_per_row, r1 = Math.min(m.live_requests, (last + 1) * m.requests_per_row) - 1;
+        return r0 === r1 ? r0 + " (row " + requestRows[r0] + ")" : span(r0, r1);
+      });
     // Block boundaries, where a block is wide enough on screen to tell them apart.
     var blockPx = m.block_size ? m.block_size / m.positions_per_column * cw : 0;
     canvas.dataset.blockLines = blockPx >= 4 ? "drawn" : (m.block_size ? "too narrow" : "none");
@@ -74,9 +125,9 @@
       ctx.fillStyle = BOUNDARY;
       for (var x = blockPx; x < canvas.width; x += blockPx) ctx.fillRect(Math.round(x), 0, 1, canvas.height);
     }
-    var items = [["nothing checked", EMPTY], ["checked, clean", CLEAN]];
+    var items = [[EMPTY, REQUEST[EMPTY], EMPTY], [CLEAN, REQUEST[CLEAN], CLEAN]];
     Object.keys(m.counts_by_reason).forEach(function (r) {
-      items.push([r + " (" + m.counts_by_reason[r] + ")", REASON_COLOURS[r] || REASON_COLOURS.other]);
+      items.push([r + " (" + m.counts_by_reason[r] + ")", REQUEST[r] || REQUEST.other, REQUEST[r] ? r : "other"]);
     });
     legend(legendEl, "a cell's main reason (rows)", items);
     hover(canvas, function (x, y) {
@@ -93,11 +144,11 @@
     });
   }
 
-  function poolMap(canvas, m, legendEl) {
+  function poolMap(canvas, m, legendEl, labelsEl) {
     var flags = bytes(m.flags), used = counts(m.used), found = counts(m.with_findings);
     var on = counts(m.rows_on), twice = counts(m.twice);
     var rows = Math.ceil(m.cells / m.columns);
-    var size = Math.max(2, Math.min(POOL_CELL, Math.floor(MAP_WIDTH / m.columns)));
+    var size = Math.max(MIN_CELL, Math.min(POOL_CELL, Math.floor(MAP_WIDTH / m.columns)));
     canvas.width = m.columns * size;
     canvas.height = rows * size;
     canvas.dataset.cellWidth = size;
@@ -105,11 +156,15 @@
     var ctx = canvas.getContext("2d");
     for (var c = 0; c < m.cells; c++) {
       var f = flags[c];
-      ctx.fillStyle = (f & 2) && (f & 4) ? POOL.both : f & 4 ? POOL.twice : f & 2 ? POOL.finding : f & 1 ? POOL.used : POOL.unused;
-      ctx.fillRect((c % m.columns) * size, Math.floor(c / m.columns) * size, size, size);
+      var state = (f & 2) && (f & 4) ? POOL_BOTH : f & 4 ? POOL_TWICE : f & 2 ? POOL_FINDING : f & 1 ? POOL_USED : POOL_UNUSED;
+      paint(ctx, POOL[state], (c % m.columns) * size, Math.floor(c / m.columns) * size, size, size);
     }
-    legend(legendEl, "a cell, by any " + m.unit + " in it", [["not used by a checked entry", POOL.unused], ["used, no finding", POOL.used],
-      ["with findings", POOL.finding], ["mapped twice", POOL.twice], ["both", POOL.both]]);
+    var perRow = m.columns * m.per_cell;
+    rowLabels(labelsEl, m.unit + "s", rows, size, function (first, last) {
+      return span(first * perRow, Math.min(m.units, (last + 1) * perRow) - 1);
+    });
+    legend(legendEl, "a cell, by any " + m.unit + " in it", [POOL_UNUSED, POOL_USED, POOL_FINDING, POOL_TWICE, POOL_BOTH].map(
+      function (name) { return [name, POOL[name], name]; }));
     hover(canvas, function (x, y) {
       var c = Math.floor(y / size) * m.columns + Math.floor(x / size);
       if (x < 0 || y < 0 || x >= canvas.width || c >= m.cells) return "";
@@ -123,8 +178,10 @@
   Array.prototype.forEach.call(document.querySelectorAll("script.map-data"), function (el) {
     var data = JSON.parse(el.textContent), n = el.dataset.section;
     var requests = document.getElementById("request-map-" + n);   // absent: no live request
-    if (requests) requestMap(requests, data.requests, document.getElementById("request-legend-" + n));
-    poolMap(document.getElementById("pool-map-" + n), data.pool, document.getElementById("pool-legend-" + n));
+    if (requests) requestMap(requests, data.requests, document.getElementById("request-legend-" + n),
+                             document.getElementById("request-rows-" + n));
+    poolMap(document.getElementById("pool-map-" + n), data.pool, document.getElementById("pool-legend-" + n),
+            document.getElementById("pool-rows-" + n));
   });
 
   // Findings tables: click a heading to sort (numbers as numbers), filter by text, reason, tag.
