@@ -42,6 +42,7 @@ from collections import deque
 
 import numpy as np
 
+from ...backends.reference import realkv_compiled
 from ...findings.attribution import Merger
 from ...format.consts import HASH_MODE_NAMES, RealKvHashMode
 from ...dump import save as save_dump
@@ -164,6 +165,9 @@ class Guard:
         self._inside = False
         # (guard seconds, engine step seconds) of the newest guarded steps
         self.step_times = deque(maxlen=STEP_TIMES_KEPT)
+        if self.hash_mode != RealKvHashMode.NONE and getattr(
+                getattr(model, "device", None), "type", "cpu") == "cpu":
+            realkv_compiled.kernel()    # numba's load or compile now, not in the first step
 
     # -- context manager
 
