@@ -23,6 +23,9 @@ from numpy.lib.stride_tricks import as_strided
 
 # Read at call time: tests turn it off to run the numpy fold with numba installed.
 ENABLED = True
+# Slots the kernel folds side by side: independent dependency chains the CPU overlaps (16
+# measured fastest on an AMD EPYC host; one slot at a time is three times slower).
+LANES = 16
 
 _lock = threading.Lock()
 _state = {"kernel": None, "tried": False}

@@ -15,9 +15,8 @@ from ...format.consts import (
     SPLITMIX64_SHIFT_3,
 )
 
-# Slots folded side by side: independent dependency chains the CPU overlaps (16 measured
-# fastest on an AMD EPYC host; one slot at a time is three times slower).
-LANES = 16
+from .realkv_compiled import LANES
+
 MUL_1, MUL_2 = np.uint64(SPLITMIX64_MUL_1), np.uint64(SPLITMIX64_MUL_2)
 # uint64 shift counts: numba turns ``uint64 >> int64`` into float64.
 SHIFT_1, SHIFT_2 = np.uint64(SPLITMIX64_SHIFT_1), np.uint64(SPLITMIX64_SHIFT_2)
