@@ -2,6 +2,8 @@
 ``hashing.BLOCK_ENTRIES`` entries at a time and the real-KV fold gathers
 ``realkv.CHUNK_SLOTS`` slots at a time. Each size is shrunk (it is read at call time) so
 small buffers cross many edges; one clean run at the real sizes crosses the first edge.
+The real-KV tests run the numpy fold (the compiled one, where numba is installed, has no
+chunks: tests/reference/test_realkv_compiled.py).
 A clean buffer verifies clean, and a fault planted on either side of an edge is reported
 at exactly that slot."""
 
@@ -11,7 +13,7 @@ import pytest
 import kvcanary as kc
 from builders import i64, make_context, make_sources, make_verify_plan, ring_rows, source_slot_bytes, write_tokens
 from kvcanary.format import hashing
-from kvcanary.backends.reference import realkv
+from kvcanary.backends.reference import realkv, realkv_compiled
 from oracle import mix3, real_kv
 
 F = kc.FailReason
@@ -81,13 +83,18 @@ def test_clean_chain_past_the_real_hash_block_verifies_clean():
 
 # ------------------------------------------------------------------ real-KV chunks
 
+@pytest.fixture
+def numpy_fold(monkeypatch):
+    monkeypatch.setattr(realkv_compiled, "ENABLED", False)
+
+
 def _sources(n: int, page_size: int = 1):
     return make_sources(2, n, bytes_per_token=32, page_size=page_size, fill="random", seed=n)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_real_kv_hash_equals_the_per_slot_fold(monkeypatch, chunk, page_size):
+def test_real_kv_hash_equals_the_per_slot_fold(monkeypatch, numpy_fold, chunk, page_size):
     monkeypatch.setattr(realkv, "CHUNK_SLOTS", chunk)
     sources = _sources(13, page_size)
     slots = np.random.default_rng(chunk).permutation(13)
@@ -97,7 +104,7 @@ def test_real_kv_hash_equals_the_per_slot_fold(monkeypatch, chunk, page_size):
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 100, 1 << 25])
-def test_many_sources_of_mixed_widths_fold_side_by_side_as_one_at_a_time(monkeypatch,
+def test_many_sources_of_mixed_widths_fold_side_by_side_as_one_at_a_time(monkeypatch, numpy_fold,
                                                                         chunk_bytes):
     # Sources of one read width fold together (K and V of every layer); their order in the
     # fingerprint stays the source order, whatever the grouping and the byte budget.
@@ -114,7 +121,7 @@ def test_many_sources_of_mixed_widths_fold_side_by_side_as_one_at_a_time(monkeyp
 
 
 @pytest.mark.parametrize("chunk", [2, 5])
-def test_real_kv_fault_beside_a_chunk_edge_is_reported_at_that_slot(monkeypatch, chunk):
+def test_real_kv_fault_beside_a_chunk_edge_is_reported_at_that_slot(monkeypatch, numpy_fold, chunk):
     monkeypatch.setattr(realkv, "CHUNK_SLOTS", chunk)
     n = 17
     for slot in _edges(chunk, n):
@@ -129,7 +136,7 @@ def test_real_kv_fault_beside_a_chunk_edge_is_reported_at_that_slot(monkeypatch,
             (slot + 1, int(F.VERIFY_REAL_KV_HASH_MISMATCH))], slot
 
 
-def test_real_kv_past_the_real_chunk_size_verifies_clean_then_catches_the_edge():
+def test_real_kv_past_the_real_chunk_size_verifies_clean_then_catches_the_edge(numpy_fold):
     n = realkv.CHUNK_SLOTS + 2
     sources = _sources(n + 1)
     ctx = make_context(num_slots=n + 1, sources=sources, mode=ALL)

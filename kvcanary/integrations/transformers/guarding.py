@@ -11,6 +11,7 @@ from collections import deque
 import numpy as np
 
 from ... import Merger, RealKvHashMode, Violation
+from ...backends.reference import realkv_compiled
 from ...dump import save as save_dump
 from ...format.consts import HASH_MODE_NAMES
 from ...format.errors import GUARD_PREFIX, GuardError
@@ -130,6 +131,9 @@ class Guard:
         self._inside = False
         # (guard seconds, engine step seconds) of the newest guarded steps
         self.step_times = deque(maxlen=STEP_TIMES_KEPT)
+        if self.hash_mode != RealKvHashMode.NONE and getattr(
+                getattr(model, "device", None), "type", "cpu") == "cpu":
+            realkv_compiled.kernel()    # numba's load or compile now, not in the first step
 
     # -- context manager
 
