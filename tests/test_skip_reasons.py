@@ -99,12 +99,14 @@ def test_no_skip_reason_in_the_sources_names_an_internal():
     assert bad == []
 
 
-def test_the_shared_and_decided_reasons_name_no_internal():
+def test_the_shared_and_decided_reasons_name_no_internal(pytestconfig):
     shared = [value for name, value in vars(skip_reasons).items()
               if name.isupper() and isinstance(value, str)]
     shared += [skip_reasons.transformers_extra(p) for p in ("torch", "transformers", "psutil")]
-    from conftest import NEEDS
-
+    # The suite's own conftest (beside this file), not a folder's that shares its name.
+    top = TESTS / "conftest.py"
+    NEEDS = next(m for m in pytestconfig.pluginmanager.get_plugins()
+                 if getattr(m, "__file__", None) and pathlib.Path(m.__file__).resolve() == top).NEEDS
     decided = [NEEDS[name]() for name in ("gpu", "needs_cupy", "needs_compiler")]
     from kvcanary.backends.cuda import unavailable_reason
 
