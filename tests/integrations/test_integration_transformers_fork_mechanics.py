@@ -89,7 +89,7 @@ def check_copy(session, source_blocks, dest_blocks, share: bool) -> dict:
 
 
 def run_checked(model, returns, *, share=True, length=43, max_batch_tokens=256, prompts=4,
-                new_tokens=3):
+                new_tokens=3, engine_picks_async=False):
     """A clean forked run with every record copy checked; returns (guard, copy calls)."""
     calls, problems = [], []
     original = kvt.Session.copy_records
@@ -112,10 +112,10 @@ def run_checked(model, returns, *, share=True, length=43, max_batch_tokens=256, 
                       plan_from="read_indices", on_violation=lambda f: None)
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=True,
                               num_return_sequences=returns, eos_token_id=-1, pad_token_id=0)
-    batching = ContinuousBatchingConfig(page_size=PAGE, num_blocks=128,
-                                        max_batch_tokens=max_batch_tokens,
-                                        max_requests_per_batch=8, allow_block_sharing=share,
-                                        seed=1, use_async_batching=False)
+    batching = ContinuousBatchingConfig(
+        page_size=PAGE, num_blocks=128, max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=8, allow_block_sharing=share, seed=1,
+        **({} if engine_picks_async else {"use_async_batching": False}))
     inputs = [list(range(100, 100 + length - 3)) + [200 + i, 300 + i, 400 + i]
               for i in range(prompts)]
     mp = pytest.MonkeyPatch()
@@ -183,3 +183,23 @@ def test_a_parent_prefilled_in_chunks_forks_after_its_last_chunk(model):
     chunks = {rid: [s[rid] for s in steps if rid in s] for rid in ("req_0", "req_1")}
     prefills = sorted(tuple(c[:c.index(1)]) for c in chunks.values())
     assert prefills == [(10,), (20, 20, 2)], chunks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("returns", [2, 3])
+def test_the_issue_configuration_forks_clean_on_cuda(returns):
+    """The configuration a user reported 176 false findings with (3 return sequences; 2 were
+    clean), as given (the engine picks synchronous batching for sdpa), on a CUDA device, in
+    bf16: the record copies run on the engine's stream and every check above holds."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch sees none)")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    guard, calls = run_checked(model, returns, prompts=8, new_tokens=20,
+                               engine_picks_async=True)
+    assert guard.session.xp.__name__ == "cupy"
+    assert len({child for _, call in calls for child in call}) == 8 * (returns - 1)
