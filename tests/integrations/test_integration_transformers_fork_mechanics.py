@@ -8,7 +8,8 @@ that update go to the allocator's ``copy_blocks`` in one call, the source repeat
 child. The guard copies the records in that call; these tests check, inside it, that the
 sources are the parent's blocks as the step just left them and that every child's fresh
 block receives exactly those records, for 2..8 children, with and without sharing, at a
-block boundary and with a parent prefilled in chunks.
+block boundary and with a parent prefilled in chunks; children offloaded under pool pressure
+come back with their records.
 """
 
 from __future__ import annotations
@@ -203,3 +204,48 @@ def test_the_issue_configuration_forks_clean_on_cuda(returns):
                                engine_picks_async=True)
     assert guard.session.xp.__name__ == "cupy"
     assert len({child for _, call in calls for child in call}) == 8 * (returns - 1)
+
+
+class _TorchWithoutPinnedMemory:
+    """torch as the offloading manager sees it on a CPU-only build (no pinned memory)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, pin_memory=False, **kwargs):
+        return torch.empty(*args, **kwargs)
+
+
+def test_children_offloaded_while_decoding_come_back_clean(model, monkeypatch):
+    """Pool pressure after the fork: the engine offloads decoding requests, children among
+    them (their shared blocks held by the parent and siblings), and restores them into new
+    blocks; their records come back with the KV."""
+    from transformers.generation.continuous_batching import offloading_manager
+
+    monkeypatch.setattr(offloading_manager, "torch", _TorchWithoutPinnedMemory())
+    offloaded = []
+    original = kvt.Session.save_records
+
+    def save_records(self, request_id, blocks):
+        offloaded.append(request_id)
+        return original(self, request_id, blocks)
+
+    monkeypatch.setattr(kvt.Session, "save_records", save_records)
+    guard = kvt.guard(model, sources="k0", hash_mode="all", check_tokens=True,
+                      plan_from="read_indices", on_violation=lambda f: None)
+    config = GenerationConfig(max_new_tokens=16, do_sample=True, num_return_sequences=3,
+                              eos_token_id=-1, pad_token_id=0)
+    batching = ContinuousBatchingConfig(page_size=PAGE, num_blocks=24, max_batch_tokens=256,
+                                        max_requests_per_batch=8, seed=1,
+                                        use_async_batching=False, cpu_offload_space=0.001)
+    inputs = [list(range(100, 140)) + [200 + i, 300 + i, 400 + i] for i in range(8)]
+    with guard:
+        outputs = model.generate_batch(inputs=inputs, generation_config=config,
+                                       continuous_batching_config=batching)
+    assert len(outputs) == 24 and all(o.error is None and len(o.generated_tokens) == 16
+                                      for o in outputs.values())
+    s = guard.summary()
+    assert any(CHILD in rid for rid in offloaded) and s["blocks_restored"] > 0
+    assert s["blocks_copied"] > 0
+    assert s["findings"] == 0, [f.describe() for f in guard.findings()[:3]]
