@@ -80,7 +80,11 @@ class Cause(str, enum.Enum):
                        "": "slot {slot} of {request} position {position} was overwritten by "
                            "{writer} (its position {writer_position}, step {writer_step}): the "
                            "block was freed or handed to another request while still "
-                           "referenced, then reused"})
+                           "referenced, then reused",
+                       "fork-share": "{request} shares block {block} with its parent {parent} "
+                                     "since the fork at step {fork_step}{then}: the block was "
+                                     "overwritten while {request} and {parent} still held "
+                                     "it{why}"})
     PREDECESSOR_CHANGED = ("predecessor-changed", "the previous position's record changed",
                            "only the chain link fails, and the predecessor's record fails too")
     LINK_CHANGED = ("link-changed", "the record's chain link changed",
@@ -158,6 +162,11 @@ class Cause(str, enum.Enum):
                         "request's table did", {
                             "": "block {block} was freed at step {step} while {request} still "
                                 "held it{then}: the block was freed while held and reused",
+                            "fork-share": "block {block}, which {request} shares with its "
+                                          "parent {parent} since the fork at step "
+                                          "{fork_step}, was freed at step {step} while "
+                                          "{request} still held it{then}: the block was freed "
+                                          "while held and reused",
                             "vllm": "block {block} of {request} (position {position}, which it "
                                     "wrote itself) was handed to {writer}, which wrote its "
                                     "position {writer_position} there at step {writer_step} "
@@ -168,6 +177,10 @@ class Cause(str, enum.Enum):
                          "block to another request while the reader's table held it", {
                              "": "block {block} was handed to {others} at step {step} while "
                                  "{request} still held it{then}",
+                             "fork-share": "block {block}, which {request} shares with "
+                                           "its parent {parent} since the fork at step "
+                                           "{fork_step}, was handed to {others} at step {step} "
+                                           "while {request} still held it{then}",
                              "cached": "{request} got block {block} from the prefix cache at "
                                        "step {since}; {writer} wrote its position "
                                        "{writer_position} there at step {writer_step}, while "

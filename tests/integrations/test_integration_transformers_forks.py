@@ -168,3 +168,68 @@ def test_a_fork_that_copies_another_requests_block_is_found_at_the_child(model, 
     assert min(f.position for f in found) == 40          # the prompts differ from there on
     assert all("the fork copied another request's block" in f.explanation for f in found), \
         [f.describe() for f in found[:2]]
+
+
+
+def test_a_fault_in_a_block_a_child_shares_with_its_parent_names_the_fork(model, monkeypatch):
+    """A child's first block, shared with its parent by the fork, is freed while both hold it
+    and reused (a small pool): the child is told the block it shares with its parent was
+    freed, and no child whose block the fork shared is told of a prefix-cache entry."""
+    from test_integration_transformers import Fault, allocator
+
+    def pick(io, requests):
+        a = allocator(io)
+        for rid, blocks in a.block_table.items():
+            parent = rid.rsplit("__child#", 1)[0]
+            if parent != rid and a.block_table.get(parent, [None])[0] == blocks[0]:
+                a.pool.free_blocks(a.index, [blocks[0]])
+                return blocks[0], parent
+        return None
+
+    fault = Fault("before", pick, min_step=1)
+    fault.install(monkeypatch)
+    guard, _ = run_forks(model, 3, new_tokens=12, num_blocks=24)
+    assert fault.target is not None
+    block, parent = fault.target
+    children = [f for f in guard.findings() if f.request_id.startswith(parent + "__child#")]
+    on_block = [f for f in children if f.block == block]
+    assert on_block, [f.describe() for f in guard.findings()[:3]]
+    for f in on_block:
+        assert (f"block {block}, which {f.request_id} shares with its parent {parent} since "
+                "the fork at step") in f.explanation, f.describe()
+        assert "was freed at step" in f.explanation, f.describe()
+    for f in children:
+        assert "prefix" not in f.explanation, f.describe()
+
+
+def test_a_write_after_the_fork_into_a_shared_block_names_the_fork(model, monkeypatch):
+    """Another request's block-table entry is pointed at a block a child shares with its
+    parent; its writes overwrite the child's records there: the child is told the block it
+    shares with its parent was overwritten after the fork, not of a prefix-cache entry."""
+    from test_integration_transformers import Fault, allocator, decoding
+
+    def pick(io, requests):
+        a = allocator(io)
+        children = [r for r in a.block_table if "__child#" in r and len(a.block_table[r]) > 2]
+        for _, f, _ in decoding(requests, io, 2 * PAGE, "before"):
+            writer = f.state.request_id
+            for child in children:
+                parent = child.rsplit("__child#", 1)[0]
+                shared = a.block_table[child][1]
+                if writer.split("__child#")[0] != parent and \
+                        a.block_table[parent][1] == shared:
+                    a.block_table[writer][2] = shared
+                    return child, parent, shared, writer
+        return None
+
+    fault = Fault("before", pick, min_step=4)
+    fault.install(monkeypatch)
+    guard, _ = run_forks(model, 3, new_tokens=8)
+    assert fault.target is not None
+    child, parent, block, writer = fault.target
+    hits = [f for f in guard.findings() if f.request_id == child and f.block == block]
+    assert hits, [f.describe() for f in guard.findings()[:3]]
+    text = (f"{child} shares block {block} with its parent {parent} since the fork at step")
+    assert any(text in f.explanation and f"then {writer} wrote" in f.explanation
+               and "overwritten" in f.explanation for f in hits), [f.describe() for f in hits]
+    assert all("prefix" not in f.explanation for f in hits), [f.describe() for f in hits]

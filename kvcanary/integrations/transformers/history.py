@@ -12,9 +12,12 @@ prefix-cache ledger with those of the step before and notes, per block, what hap
 * ``prefix``: a request got the block from the prefix cache (noted as a mismatch when the
   block's content hash is not that of the request's tokens: a stale prefix-cache entry);
 * a fork's copies: which block each copied block came from and who held it then (a child's
-  copy of a block its parent did not hold is the fork's fault).
+  copy of a block its parent did not hold is the fork's fault);
+* ``fork-share``: a fork child got the block by sharing its parent's block (with block
+  sharing, a child shares its parent's fully written first blocks), noted from the fork
+  itself, never taken for a prefix hit: a finding there names the fork, not the prefix cache.
 
-Legitimate engine moves (a prefix hit, a fork's shared blocks, de-duplication onto an identical
+Legitimate engine moves (a prefix hit, a fork's share, de-duplication onto an identical
 block, offloading and restoring) are noted only as how a request came to hold a block, never
 as a cause. What is kept is bounded by the pool: per block its last few events, per request its
 table of the last step (dropped when the request leaves the tables).
@@ -34,7 +37,8 @@ EVENTS_PER_BLOCK = 4
 class AllocatorHistory:
     """Per block: the last ``EVENTS_PER_BLOCK`` events ``(step, kind, requests, others)``
     (``requests``: who held it then; ``others``: who it was handed to); per request:
-    its table at the last step and, per block it holds, how and when it got it."""
+    its table at the last step and, per block it holds, how and when it got it
+    (``(step, how)``, for a fork share ``(step of the fork, "fork-share", parent)``)."""
 
     def __init__(self, allocator):
         self.allocator = allocator
@@ -43,6 +47,15 @@ class AllocatorHistory:
         self.events: dict = {}      # block -> [(step, kind, requests)]
         self.got: dict = {}         # request id -> {block: (step, how)}
         self.copies: dict = {}      # block -> (source block, who held the source) of a fork
+        self.shares: dict = {}      # child -> (parent, step, shared blocks) of forks since
+        #                             the last step (the child is seen in the tables then)
+
+    def note_fork(self, parent: str, child: str, fresh: int, step: int) -> None:
+        """The engine forked ``child`` from ``parent`` after ``step``: the child's table
+        holds the parent's first blocks, all but its last ``fresh`` (which are copies)."""
+        table = self.allocator.block_table.get(child, ())
+        shared = table[:len(table) - fresh]
+        self.shares[child] = (parent, step, frozenset(int(b) for b in shared))
 
     def note_copies(self, source_blocks, dest_blocks) -> None:
         """A fork copied ``source_blocks`` into ``dest_blocks``: keep who held each source, so a
@@ -75,8 +88,12 @@ class AllocatorHistory:
             if old == blocks and rid in self.got:
                 continue            # the same table as the last step: every block was seen
             got = self.got.setdefault(rid, {})
+            share = self.shares.get(rid) if old is None else None
             for i, b in enumerate(blocks):
                 if b in got and (old is None or i >= len(old) or old[i] == b):
+                    continue
+                if share is not None and b in share[2]:
+                    got[b] = (share[1], "fork-share", share[0])
                     continue
                 legit = self._hash_matches(blocks, i, tokens_of(rid))
                 if old is not None and i < len(old) and old[i] != b:
@@ -101,6 +118,7 @@ class AllocatorHistory:
         if len(self.got) > len(tables):
             for rid in set(self.got) - set(tables):
                 del self.got[rid]
+        self.shares.clear()         # every fork since the last step is in these tables
         self.tables = tables
 
     def _hash_matches(self, blocks, i: int, tokens) -> bool:
@@ -137,7 +155,12 @@ class AllocatorHistory:
                                 holders=", ".join(held) or "nobody")
         events = [e for e in self.events.get(block, ()) if reader in e[2]]
         kinds = {kind: (step, others) for step, kind, _, others in events}   # the latest
+        shared = how is not None and how[1] == "fork-share"
         if "freed" in kinds:
+            if shared:
+                return Diagnosis.of(Cause.FREED_WHILE_HELD, "fork-share", block=block,
+                                    step=kinds["freed"][0], request=reader, parent=how[2],
+                                    fork_step=how[0], then=then)
             return Diagnosis.of(Cause.FREED_WHILE_HELD, block=block, step=kinds["freed"][0],
                                 request=reader, then=then)
         if "remapped" in kinds:
@@ -145,6 +168,10 @@ class AllocatorHistory:
                                 step=kinds["remapped"][0])
         if "handed" in kinds:
             step, others = kinds["handed"]
+            if shared:
+                return Diagnosis.of(Cause.HANDED_TO_ANOTHER, "fork-share", block=block,
+                                    others=", ".join(others), step=step, request=reader,
+                                    parent=how[2], fork_step=how[0], then=then)
             return Diagnosis.of(Cause.HANDED_TO_ANOTHER, block=block, others=", ".join(others),
                                 step=step, request=reader, then=then)
         freed = [(step, requests) for step, kind, requests, _ in self.events.get(block, ())
@@ -152,6 +179,15 @@ class AllocatorHistory:
         why = "" if not freed else (
             f"; block {block} was freed at step {freed[-1][0]} while "
             f"{', '.join(freed[-1][1])} still held it, and its hash stayed in the cache")
+        if shared:
+            # Not a prefix hit: the fork shared the block. Only a write after the fork by a
+            # request that shares none of it is a cause (one before it is the parent's content).
+            if writer is not None and writer[2] <= how[0] and how[2] != reader:
+                return self.cause(how[2], block, writer)   # the parent's, if any
+            if writer is None or writer[0] in (reader, how[2]):
+                return None
+            return Diagnosis.of(Cause.OVERWRITTEN, "fork-share", request=reader, block=block,
+                                parent=how[2], fork_step=how[0], then=then, why=why)
         if how is not None and how[1] == "prefix":
             return Diagnosis.of(Cause.STALE_PREFIX_ENTRY, request=reader, block=block,
                                 step=how[0], then=then, why=why)
@@ -162,8 +198,10 @@ class AllocatorHistory:
 
     def move(self, reader: str, block: int) -> str | None:
         """How ``reader`` came to hold ``block`` when that was a legitimate engine move
-        (``"de-duplicated"``, ``"prefix"``) and when, else None."""
+        (``"de-duplicated"``, ``"prefix"``, a fork's share) and when, else None."""
         how = self.got.get(reader, {}).get(block)
+        if how is not None and how[1] == "fork-share":
+            return f"shared with its parent {how[2]} by the fork at step {how[0]}"
         if how is None or how[1] not in ("de-duplicated", "prefix"):
             return None
         return f"{how[1]} at step {how[0]}"

@@ -1,11 +1,13 @@
 """Where kvcanary hooks into transformers' continuous batching, and how it leaves again.
 
-While at least one guard is active, four engine methods are wrapped (each wrapper keeps the
+While at least one guard is active, five engine methods are wrapped (each wrapper keeps the
 original as ``__wrapped__`` and hands the call to the session of the guarded model):
 
 * ``ContinuousBatchProcessor._generation_step``: plan and verify before the forward, the
   write after it;
 * ``CacheAllocator.copy_blocks`` (forks): records are copied with the KV blocks;
+* ``CacheAllocator.fork_blocks``: which blocks a fork child shares with its parent, for the
+  allocator's history (a shared block is a fork's share, not a prefix hit);
 * ``OffloadingManager._offload_to_cpu`` and ``restore_scheduled_requests``: records leave
   and come back with the KV;
 * those registered in ``Hooks.more_targets``: the two of :mod:`.manager` (a long-running
@@ -69,6 +71,7 @@ class Hooks:
         return extra + (
             (api.ContinuousBatchProcessor, "_generation_step", _generation_step_hook),
             (ca.CacheAllocator, "copy_blocks", _copy_blocks_hook),
+            (ca.CacheAllocator, "fork_blocks", _fork_blocks_hook),
             (om.OffloadingManager, "_offload_to_cpu", _offload_hook),
             (om.OffloadingManager, "restore_scheduled_requests", _restore_hook),
         )
@@ -162,6 +165,18 @@ def _copy_blocks_hook(original):
 
     copy_blocks.__wrapped__ = original
     return copy_blocks
+
+
+def _fork_blocks_hook(original):
+    def fork_blocks(self, source_request_id, dest_request_id, past_length):
+        copies = original(self, source_request_id, dest_request_id, past_length)
+        for session in Hooks.sessions_of(lambda s: s.allocator is self):
+            session.history.note_fork(source_request_id, dest_request_id, len(copies[1]),
+                                      session.step)
+        return copies
+
+    fork_blocks.__wrapped__ = original
+    return fork_blocks
 
 
 def _offload_hook(original):
