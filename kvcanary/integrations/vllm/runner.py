@@ -27,8 +27,7 @@ import time
 
 import numpy as np
 
-from ... import (CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES_LIMIT, CanaryContext, LaunchTag,
-                 RealKvHashMode, RealKvSource, ViolationLog)
+from ... import MAX_REAL_KV_SOURCES_LIMIT, RealKvHashMode, RealKvSource
 from ...format.errors import GuardError
 from .session import Session
 
@@ -115,16 +114,7 @@ class RunnerSession(Session):
                 raise GuardError(f"real-KV source {name} holds {source.num_slots} slots, the "
                                  f"scheduler's pool {self.num_slots}")
         self.source_names = "+".join(name for name, _ in self.real_kv) or "no source"
-        self.context = CanaryContext(
-            np.zeros((self.num_slots, CANARY_SLOT_BYTES), dtype=np.uint8),
-            kernel_kind=LaunchTag.TAIL_K_FULL,
-            violation_log=ViolationLog.allocate(g.ring_capacity),
-            slot_run_counter=np.zeros(1, dtype=np.int64),
-            kernel_run_counter=np.zeros(1, dtype=np.int64),
-            real_kv_sources=tuple(source for _, source in self.real_kv),
-            real_kv_hash_mode=hash_mode if self.real_kv else RealKvHashMode.NONE,
-            max_real_kv_sources=max(1, len(self.real_kv)),
-            chain_across_requests=True)
+        self.context = self.new_context([source for _, source in self.real_kv], hash_mode)
         self.pending = {}        # id(SchedulerOutput) -> the step's rows
         self.mapping = None      # the slot_mapping the step's first layer wrote with
         self.saved = []          # (object, attribute, own value or None) to restore

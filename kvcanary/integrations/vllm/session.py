@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 import kvcanary as api  # the public API: plan, write, verify
-from ... import (CANARY_SLOT_BYTES, CanaryContext, LaunchTag, VerifyPlan, Violation, ViolationLog,
-                 WritePlan, attribute, diagnose)
+from ... import (CANARY_SLOT_BYTES, CanaryContext, LaunchTag, RealKvHashMode, VerifyPlan, Violation,
+                 ViolationLog, WritePlan, attribute, diagnose)
 from ...format.bits import SLOT_ZERO_IN_PREFIX as _SLOT_ZERO
 from ..findings import (WRITE_INDEX_MISMATCH, EngineEvidence, Sighting, explain, row_reasons,
                         take_ring_rows)
@@ -60,13 +60,7 @@ class Session:
         self.block_size = self.groups[0][0]
         self.num_blocks = int(config.num_blocks)
         self.num_slots = self.num_blocks * self.block_size
-        self.context = CanaryContext(
-            np.zeros((self.num_slots, CANARY_SLOT_BYTES), dtype=np.uint8),
-            kernel_kind=LaunchTag.TAIL_K_FULL,
-            violation_log=ViolationLog.allocate(g.ring_capacity),
-            slot_run_counter=np.zeros(1, dtype=np.int64),
-            kernel_run_counter=np.zeros(1, dtype=np.int64),
-            chain_across_requests=True)
+        self.context = self.new_context()
         self.writer_request = np.full(self.num_slots, -1, dtype=np.int64)
         self.writer_position = np.full(self.num_slots, -1, dtype=np.int64)
         self.writer_step = np.full(self.num_slots, -1, dtype=np.int64)
@@ -81,6 +75,20 @@ class Session:
 
     # -- the step's tables, from the scheduler's output alone
 
+
+    def new_context(self, real_kv=(), hash_mode=RealKvHashMode.NONE) -> CanaryContext:
+        """One canary over the scheduler's pool, its records chained across the requests of
+        a launch (vLLM's requests of one step may extend each other's prefixes)."""
+        return CanaryContext(
+            np.zeros((self.num_slots, CANARY_SLOT_BYTES), dtype=np.uint8),
+            kernel_kind=LaunchTag.TAIL_K_FULL,
+            violation_log=ViolationLog.allocate(self.guard.ring_capacity),
+            slot_run_counter=np.zeros(1, dtype=np.int64),
+            kernel_run_counter=np.zeros(1, dtype=np.int64),
+            real_kv_sources=tuple(real_kv),
+            real_kv_hash_mode=hash_mode if real_kv else RealKvHashMode.NONE,
+            max_real_kv_sources=max(1, len(real_kv)),
+            chain_across_requests=True)
     def _update_tables(self, out) -> dict:
         computed = {}
         for rid in set(out.finished_req_ids) | set(out.preempted_req_ids or ()):
