@@ -82,7 +82,8 @@ TARGETS = [
     Target("kvcanary/backends/reference/plan.py", None, PLAN_TESTS),
     Target("kvcanary/backends/reference/verify.py", None, VERIFY_TESTS),
     Target("kvcanary/backends/reference/write.py", None, WRITE_TESTS),
-    Target("kvcanary/backends/reference/realkv.py", None, [SURVIVORS, "tests/reference/test_realkv.py", *EDGES]),
+    Target("kvcanary/backends/reference/realkv.py", None, [SURVIVORS, "tests/reference/test_realkv.py",
+                                                         "tests/reference/test_realkv_compiled.py", *EDGES]),
     Target("kvcanary/audit/launches.py", ("_plan_groups", "slot_zero_rows"), AUDIT_TESTS),
     Target("kvcanary/audit/matching.py", ("attribute_rows", "_occurrence", "_match_rows"), AUDIT_TESTS),
     Target("kvcanary/findings/diagnosis.py", ("failed_checks",), AUDIT_TESTS),
@@ -126,7 +127,7 @@ EQUIVALENT: dict[str, str] = {
     "kvcanary/backends/reference/write.py:80:18:-1 -> 1":
         "the entry key orders rows within one request, and a request outside the token "
         "arrays has just this one row",
-    "kvcanary/backends/reference/realkv.py:84:7:mode == RealKvHashMode.NONE or not sources -> "
+    "kvcanary/backends/reference/realkv.py:89:7:mode == RealKvHashMode.NONE or not sources -> "
     "mode == RealKvHashMode.NONE and (not sources)":
         "mode NONE folds zero bytes per source (splitmix64(0) is 0) and no source folds "
         "nothing: the result is 0 either way",
