@@ -119,6 +119,35 @@ def test_an_engine_guard_states_causes_only_through_the_templates():
                 f"{path.name}:{line}: {name}/{view!r} renders {sorted(wanted)}"
 
 
+def test_the_audit_states_causes_only_through_the_templates():
+    # The decision tree decides; the sentences are the Cause's templates. No Diagnosis in
+    # kvcanary is made with a text written at the call, and no evidence field is a sentence
+    # (an f-string or a literal phrase: those are templates, or a named phrase of causes).
+    calls, other = _stated_calls()
+    assert not other, [f"{p.relative_to(PACKAGE)}:{line}: Diagnosis(...) with its own text; "
+                       "use Diagnosis.of(Cause.X, view, field=...)" for p, line in other]
+    audit = {(name, view) for path, _, name, views, _, _ in calls for view in views
+             if path == PACKAGE / "findings" / "diagnosis.py"}
+    assert len(audit) >= 35, sorted(audit)     # every branch of the decision tree
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "of" and \
+                    getattr(node.func.value, "id", None) == "Diagnosis":
+                for kw in node.keywords:
+                    prose = isinstance(kw.value, ast.JoinedStr) or (
+                        isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)
+                        and " " in kw.value.value)
+                    assert not prose, f"{path.name}:{node.lineno}: {kw.arg}= is a sentence"
+
+
+def test_the_static_check_sees_an_inline_text(tmp_path):
+    # The check above must catch a Diagnosis built with its own text, as the tree once did.
+    (tmp_path / "planted.py").write_text(
+        'def f(s):\n    return Diagnosis("never-written", f"slot {s} is empty")\n')
+    _, other = _stated_calls(tmp_path)
+    assert [(p.name, line) for p, line in other] == [("planted.py", 2)]
+
+
 def test_every_template_renders_its_fields_and_says_which_is_missing():
     for cause in Cause:
         for view, template in cause.templates.items():
