@@ -4,6 +4,8 @@ A ring row says which checks failed at one slot. The diagnosis cross-references 
 other verify entries of the same batch (who else maps the slot, whose record the stored one
 continues) and with the records themselves, and states the cause the evidence supports: one
 of :class:`~kvcanary.findings.causes.Cause`, each with what it means and the evidence for it.
+The decision tree here only decides: every sentence is a template of the cause it states,
+which :meth:`Diagnosis.of` fills with the evidence fields.
 
 The entry point is :func:`diagnose`; :class:`~kvcanary.findings.evidence.Evidence` holds the
 cross-reference tables (build it with :meth:`~kvcanary.findings.evidence.Evidence.from_entries`). Without evidence (a log line alone) the
@@ -23,7 +25,7 @@ from ..format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN,
                            VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
                            VERIFY_TOKEN_MISMATCH as _TOKEN, WRITE_MISMATCH as _WRITE,
                            SLOT_OUT_OF_RANGE as _OUT, SLOT_ZERO_IN_PREFIX as _ZERO_SLOT)
-from .causes import Cause
+from .causes import CACHED_RECORD, OWN_RECORD, REAL_KV_TOO, Cause
 from .evidence import CHAIN_HEAD_INT64, Entry, Evidence, predecessor_changed
 from ..format.violations import Violation
 
@@ -78,12 +80,16 @@ class Diagnosis:
         object.__setattr__(self, "alternatives", tuple(Cause(c) for c in self.alternatives))
 
     @classmethod
-    def of(cls, cause: Cause, view: str = "", **evidence) -> "Diagnosis":
+    def of(cls, cause: Cause, view: str = "", *, certain: bool = True, alternatives=(),
+           related=(), **evidence) -> "Diagnosis":
         """The diagnosis ``cause`` states in its template ``view``, rendered from
-        ``evidence`` (:meth:`~kvcanary.findings.causes.Cause.render`): how an engine guard
-        states a cause, supplying only the evidence (request ids, slot, block, step, ...)."""
+        ``evidence`` (:meth:`~kvcanary.findings.causes.Cause.render`): how the audit's
+        diagnosis and the engine guards state a cause, supplying only the evidence
+        (request ids, slot, block, step, ...). ``certain``, ``alternatives`` and ``related``
+        are the fields of the same names."""
         cause = Cause(cause)
-        return cls(cause, cause.render(view, **evidence))
+        return cls(cause, cause.render(view, **evidence), certain=certain,
+                   alternatives=tuple(alternatives), related=tuple(related))
 
     def to_dict(self, text: bool = True) -> dict:
         """JSON-ready; ``text=False`` leaves the explanation out (a record that carries it
@@ -96,8 +102,6 @@ class Diagnosis:
         if self.related:
             record["related"] = list(self.related)
         return record
-
-
 
 
 def _names(refs: tuple) -> str:
@@ -122,58 +126,44 @@ def _prev_where(entry: Entry) -> str:
     return text
 
 
-def _out_of_range(v: Violation, entry: Entry, num_slots: int, table: str) -> str:
+def _out_of_range(v: Violation, entry: Entry, num_slots: int, table: str) -> Diagnosis:
     s, position = v.slot_idx, entry.position if entry.position >= 0 else v.position
     if s == PLAN_SLOT_OUT_OF_TABLE:
-        return (f"position {position} lies outside {table}: seq_len is larger than the table, "
-                "or the request row is not in the table")
+        return Diagnosis.of(Cause.OUT_OF_RANGE, "table", position=position, table=table)
     if s < 0 or (num_slots and s >= num_slots):
-        size = f", the buffer has {num_slots} slots" if num_slots else ""
-        return (f"the table entry points outside the canary buffer (slot {s}{size}): a corrupt "
-                f"or stale {table} entry")
+        if num_slots:
+            return Diagnosis.of(Cause.OUT_OF_RANGE, "buffer", slot=s, num_slots=num_slots,
+                                table=table)
+        return Diagnosis.of(Cause.OUT_OF_RANGE, "buffer-unsized", slot=s, table=table)
     if v.expected_aux == s:   # the write and verify kernels name the slot itself there
-        return (f"slot {s} lies past the rows of a real-KV source, so its KV bytes cannot be "
-                "checked: the source is smaller than the canary buffer")
-    return (f"the predecessor entry (position {position - 1}) points outside the canary buffer "
-            f"(slot {v.expected_aux})")
+        return Diagnosis.of(Cause.OUT_OF_RANGE, "real-kv-source", slot=s)
+    return Diagnosis.of(Cause.OUT_OF_RANGE, "predecessor", previous=position - 1,
+                        prev_slot=v.expected_aux)
 
 
-def _source(v: Violation) -> str:
-    """`` in the K cache of the FULL group`` from the row's launch tag (empty if unknown)."""
+def _kv_bytes_changed(v: Violation) -> Diagnosis:
+    """Names the cache and group from the row's launch tag (``KVC_K_FULL``) where it has them."""
     parts = v.launch_tag.split("_")
     if len(parts) != 3 or parts[1] not in ("K", "V"):
-        return ""
-    return f" in the {parts[1]} cache of the {parts[2]} group (launch tag {v.launch_tag})"
+        return Diagnosis.of(Cause.KV_BYTES_CHANGED, "intact", slot=v.slot_idx)
+    return Diagnosis.of(Cause.KV_BYTES_CHANGED, "intact-group", slot=v.slot_idx,
+                        cache=parts[1], group=parts[2], launch_tag=v.launch_tag)
 
 
-def _slot_zero(swa: bool) -> str:
-    if swa:
-        return ("a live entry inside the sliding window maps to SWA slot 0: its SWA slot was "
-                "freed (full_to_swa_index_mapping holds 0) or never assigned, or the table "
-                "entry itself is 0")
-    return ("a live prefix entry is mapped to padding slot 0: the slot was never assigned, or "
-            "its mapping was cleared while the request still uses it (lost write or premature "
-            "free)")
-
-
-def _write_input(v: Violation, entry: Entry) -> str:
+def _write_input(v: Violation, entry: Entry) -> Diagnosis:
     """A write row: ``position`` is the position id the forward used, ``expected_aux`` the
     position expected (from the caller, or one past the chain seed's record). With the
     entry's expected position known (an engine's own write launch) it says which."""
-    generic = ("the forward consumed different input tokens or positions than expected "
-               "(write-path check)")
     if entry.kind != "request" or entry.position < 0:
-        return generic
+        return Diagnosis.of(Cause.WRITE_INPUT)
     p = entry.position
     if v.fail_reason_bits & int(FailReason.WRITE_POSITION_MISMATCH):
         if v.position == p:
-            return (f"the position id {p} is right, but the record before it (this write's "
-                    f"chain seed) holds position {v.expected_aux - 1}: an earlier write of "
-                    "this request was lost, misplaced or mis-positioned")
-        return (f"position ids off: the token at position {p} was written with position id "
-                f"{v.position}")
-    return (f"the forward's input id {v.stored_token} at position {p} is not the request's "
-            f"token {v.expected_token}")
+            return Diagnosis.of(Cause.WRITE_INPUT, "seed", position=p,
+                                seed_position=v.expected_aux - 1)
+        return Diagnosis.of(Cause.WRITE_INPUT, "position-id", position=p, position_id=v.position)
+    return Diagnosis.of(Cause.WRITE_INPUT, "input-id", stored_token=v.stored_token, position=p,
+                        expected_token=v.expected_token)
 
 
 def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None = None, *,
@@ -193,26 +183,19 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
     """
     entry = entry or Entry(kind="unknown", position=v.position)
     bits, s = int(v.fail_reason_bits), v.slot_idx
-    real_kv = " The slot's real-KV bytes no longer match its record either." \
-        if bits & _REAL_KV and bits & ~_REAL_KV else ""
+    real_kv = REAL_KV_TOO if bits & _REAL_KV and bits & ~_REAL_KV else ""
     if bits & _OUT:
-        return Diagnosis("out-of-range", _out_of_range(v, entry, num_slots, table))
+        return _out_of_range(v, entry, num_slots, table)
     if bits & _ZERO_SLOT:
-        return Diagnosis("slot-zero", _slot_zero(swa))
+        return Diagnosis.of(Cause.SLOT_ZERO, "swa" if swa else "")
     if bits & _WRITE:
-        return Diagnosis("write-input", _write_input(v, entry))
+        return _write_input(v, entry)
     zero = v.stored_token == 0 and v.position == 0 and v.stored_chain_hash == 0
     if zero and bits & (_CHAIN | _POSITION | _TOKEN):
         if evidence is not None and evidence.zero_share > WRONG_BUFFER_SHARE:
-            return Diagnosis("wrong-buffer", (
-                f"slot {s} holds an all-zero record, and so do {evidence.zero_entries} of the "
-                f"{evidence.checked_entries} live entries: the canary buffer checked is not the "
-                "one the engine writes (the wrong buffer, layer or group), or it was captured "
-                "before the writes"))
-        return Diagnosis("never-written", (
-            f"slot {s} holds an all-zero record: it was never written (a lost write: the "
-            "token's KV and canary were skipped), or the buffer was captured before this "
-            "step's write"))
+            return Diagnosis.of(Cause.WRONG_BUFFER, slot=s, zero_entries=evidence.zero_entries,
+                                checked_entries=evidence.checked_entries)
+        return Diagnosis.of(Cause.NEVER_WRITTEN, "zero-record", slot=s)
     owner_refs, parent_refs, parent_same = (), (), ()
     if evidence is not None:
         owner_refs, parent_refs, parent_same = _owners(v, entry, evidence, tables)
@@ -226,36 +209,24 @@ def diagnose(v: Violation, entry: Entry | None = None, evidence: Evidence | None
         if swapped or shares:
             return _shifted(v, entry, swapped_with, real_kv, owner_refs)
     if owner_refs and bits & (_POSITION | _TOKEN | _CHAIN):
-        mine = _where(entry)
-        return Diagnosis("shared-slot", (
-            f"slot {s} is also mapped by {_names(owner_refs)}, and the stored record (position "
-            f"{v.position}, token {v.stored_token}) is that request's: both requests hold the "
-            f"slot — a double allocation, or the slot was freed and reused while {mine} still "
-            f"references it.{real_kv}"), related=owner_refs)
+        return Diagnosis.of(Cause.SHARED_SLOT, slot=s, owners=_names(owner_refs),
+                            position=v.position, stored_token=v.stored_token,
+                            reader=_where(entry), real_kv=real_kv, related=owner_refs)
     if bits & _POSITION:
         return _position(v, entry, evidence, parent_refs, parent_same, swapped_with, real_kv,
                          tables, swa)
     if bits & _TOKEN:
         if bits & _CHAIN:
-            return Diagnosis("record-changed", (
-                f"slot {s} holds token {v.stored_token} where the request's history has "
-                f"{v.expected_token}, and its chain link differs too: the record was rewritten "
-                "at the same position by other content (a reuse by another sequence), or a "
-                f"wrong token was written after a wrong predecessor.{real_kv}"), certain=False,
-                alternatives=("overwritten", "wrong-token"))
-        return Diagnosis("wrong-token", (
-            f"slot {s} holds token {v.stored_token} where the request's history has "
-            f"{v.expected_token} (position and chain link right): the KV of a wrong token was "
-            "written for this position — the class of a speculative-decoding (EAGLE) "
-            f"draft/accept rotation bug.{real_kv}"))
+            return Diagnosis.of(Cause.RECORD_CHANGED, slot=s, stored_token=v.stored_token,
+                                expected_token=v.expected_token, real_kv=real_kv,
+                                certain=False, alternatives=(Cause.OVERWRITTEN, Cause.WRONG_TOKEN))
+        return Diagnosis.of(Cause.WRONG_TOKEN, slot=s, stored_token=v.stored_token,
+                            expected_token=v.expected_token, real_kv=real_kv)
     if bits & _CHAIN:
         return _chain_only(v, entry, evidence, real_kv)
     if bits & _REAL_KV:
-        return Diagnosis("kv-bytes-changed", (
-            f"the real KV bytes of slot {s}{_source(v)} changed after its canary record was "
-            "written (the record itself is intact): an in-place overwrite, a stray write into "
-            "this slot, or a KV transfer/offload that changed the bytes"))
-    return Diagnosis("unknown", "no check failed that the diagnosis knows", certain=False)
+        return _kv_bytes_changed(v)
+    return Diagnosis.of(Cause.UNKNOWN, certain=False)
 
 
 def _owners(v: Violation, entry: Entry, ev: Evidence, tables=None) -> tuple:
@@ -343,18 +314,26 @@ def _swapped(v: Violation, entry: Entry, swapped_with, tables) -> bool:
 def _shifted(v, entry: Entry, swapped_with, real_kv, related=(), certain=True,
              alternatives=("overwritten",)) -> Diagnosis:
     s, p, q = v.slot_idx, entry.position, v.position
-    stored = _partner(swapped_with, entry.batch_index, q)[0]
-    how = (f"swapped with position {q} (whose entry reads position {p}'s record)"
-           if stored == p else f"shifted by {q - p:+d}")
-    whose = "this request's own" if entry.kind == "request" else "the same cached chain's"
-    return Diagnosis("shifted-mapping", (
-        f"{_where(entry)} reads slot {s}, which holds {whose} record of position {q} (its "
-        f"chain continues this request's position {q - 1}" if q > 0 else
-        f"{_where(entry)} reads slot {s}, which holds {whose} record of position 0 (its chain "
-        "head, with this request's token"
-    ) + f"): the mapping is {how} — the table entry for position {p} points at the slot of "
-        f"position {q}.{real_kv}", certain=certain,
-        alternatives=() if certain else tuple(alternatives), related=tuple(related[:1]))
+    swap = _partner(swapped_with, entry.batch_index, q)[0] == p
+    whose = OWN_RECORD if entry.kind == "request" else CACHED_RECORD
+    alternatives, related = () if certain else alternatives, related[:1]
+    if q > 0 and swap:
+        return Diagnosis.of(Cause.SHIFTED_MAPPING, "swap", reader=_where(entry), slot=s,
+                            whose=whose, position=q, previous=q - 1, expected=p,
+                            real_kv=real_kv, certain=certain, alternatives=alternatives,
+                            related=related)
+    if q > 0:
+        return Diagnosis.of(Cause.SHIFTED_MAPPING, "shift", reader=_where(entry), slot=s,
+                            whose=whose, position=q, previous=q - 1, shift=q - p, expected=p,
+                            real_kv=real_kv, certain=certain, alternatives=alternatives,
+                            related=related)
+    if swap:   # the chain head, position 0
+        return Diagnosis.of(Cause.SHIFTED_MAPPING, "head-swap", reader=_where(entry), slot=s,
+                            whose=whose, position=q, expected=p, real_kv=real_kv,
+                            certain=certain, alternatives=alternatives, related=related)
+    return Diagnosis.of(Cause.SHIFTED_MAPPING, "head-shift", reader=_where(entry), slot=s,
+                        whose=whose, position=q, shift=q - p, expected=p, real_kv=real_kv,
+                        certain=certain, alternatives=alternatives, related=related)
 
 
 def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv,
@@ -363,26 +342,20 @@ def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv,
     bits = int(v.fail_reason_bits)
     if entry.kind == "unknown":   # a log row alone: it does not carry the expected position
         if bits & (_CHAIN | _TOKEN) == 0:
-            return Diagnosis("position-changed", (
-                f"slot {s} holds position {q} with the token and chain link its reader "
-                "expects, but not the expected position: the stored position changed after "
-                f"the write.{real_kv}"))
-        return Diagnosis("overwritten", (
-            f"slot {s} holds a record of position {q} that is not the one its reader "
-            "expects (position and chain link differ): the slot was rewritten by another "
-            "sequence while still mapped (a stale reuse or an evicted block), or the table "
-            "maps a shifted, swapped or doubly allocated slot — a log row alone cannot tell "
-            "these apart (ambiguous; `kvcanary audit` of a dump cross-references the "
-            f"tables).{real_kv}"), certain=False,
-            alternatives=("shifted-mapping", "shared-slot"))
+            return Diagnosis.of(Cause.POSITION_CHANGED, "row", slot=s, position=q,
+                                real_kv=real_kv)
+        return Diagnosis.of(Cause.OVERWRITTEN, "row", slot=s, position=q, real_kv=real_kv,
+                            certain=False,
+                            alternatives=(Cause.SHIFTED_MAPPING, Cause.SHARED_SLOT))
     if parents:
         after = parents[0]["stored_position"] + 1
-        whose = "this request's chain" if same else _names(parents)
+        if after != q and same:
+            return Diagnosis.of(Cause.POSITION_CHANGED, "continues-own", slot=s,
+                                previous=after - 1, written=after, position=q, real_kv=real_kv)
         if after != q:
-            return Diagnosis("position-changed", (
-                f"slot {s} holds the record continuing position {after - 1} of {whose} (its "
-                f"chain link), so it was written as position {after}, but it now says position "
-                f"{q}: the stored position changed after the write.{real_kv}"))
+            return Diagnosis.of(Cause.POSITION_CHANGED, "continues", slot=s, previous=after - 1,
+                                parents=_names(parents), written=after, position=q,
+                                real_kv=real_kv)
         in_place = [r for r in same if r["stored_position"] == r["position"]]
         own_token = _own_token(v, entry, tables)
         if in_place or own_token:
@@ -397,14 +370,10 @@ def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv,
         # request's that shares the cached prefix) may be this very chain's: a block
         # displaced inside it fits as well as a rewrite.
         cached = entry.kind == "sweep"
-        return Diagnosis("overwritten", (
-            f"slot {s} holds the record of position {q} continuing {_names(parents)}, not "
-            f"{_where(entry)}'s: the slot was rewritten for that sequence while this entry "
-            f"still maps it (a reuse while still referenced)"
-            + (" — or the cached chain's own record, displaced by a shifted or swapped block "
-               "(no token check on a sweep entry tells them apart)" if cached else "")
-            + f".{real_kv}"), related=parents, certain=not cached,
-            alternatives=("shifted-mapping",) if cached else ())
+        return Diagnosis.of(Cause.OVERWRITTEN, "continues-cached" if cached else "continues",
+                            slot=s, position=q, parents=_names(parents), reader=_where(entry),
+                            real_kv=real_kv, related=parents, certain=not cached,
+                            alternatives=(Cause.SHIFTED_MAPPING,) if cached else ())
     own_head = _own_head(v, entry, ev)
     if own_head or (own_head is None and entry.kind == "sweep"):
         return _shifted(v, entry, swapped_with, real_kv, certain=bool(own_head))
@@ -421,66 +390,48 @@ def _position(v, entry: Entry, ev, parents, same, swapped_with, real_kv,
         return _shifted(v, entry, swapped_with, real_kv, certain=False,
                         alternatives=("position-changed", "overwritten"))
     if bits & (_CHAIN | _TOKEN) == 0:
-        token = "token" if v.expected_token != EXPECTED_TOKEN_UNKNOWN else "token (unchecked)"
+        checked = v.expected_token != EXPECTED_TOKEN_UNKNOWN
         # A passing link ties a non-head record to this entry's predecessor; a chain head
         # with no token check could as well be another sequence's head written here, and a
         # predecessor in slot 0 (a freed SWA slot) makes the link check vacuous.
-        certain = v.expected_token != EXPECTED_TOKEN_UNKNOWN or entry.prev_slot > 0
-        return Diagnosis("position-changed", (
-            f"slot {s} holds position {q} where {_where(entry)} expects {p}, with the {token} "
-            f"and chain link of this entry: the stored position changed after the write"
-            + ("" if certain else "; without a token check this could also be a record "
-               "written at position {q} by another sequence (ambiguous)".format(q=q))
-            + f".{real_kv}"), certain=certain,
-            alternatives=() if certain else ("overwritten", "shifted-mapping"))
+        certain = checked or entry.prev_slot > 0
+        return Diagnosis.of(Cause.POSITION_CHANGED, "" if checked else "unchecked" if certain
+                            else "unchecked-ambiguous", slot=s, position=q,
+                            reader=_where(entry), expected=p, real_kv=real_kv, certain=certain,
+                            alternatives=() if certain else (Cause.OVERWRITTEN,
+                                                             Cause.SHIFTED_MAPPING))
     # No verified record continuing into it proves nothing under a sliding window: the
     # predecessor's slot may be freed and unverified, so a record of this very chain fits.
     certain = ev is not None and ev.has_records and not swa
-    return Diagnosis("overwritten", (
-        f"slot {s} holds a record of position {q} that no live request's chain continues, "
-        f"where {_where(entry)} expects position {p}: the slot was freed and rewritten by "
-        "another sequence while this request still maps it (a stale reuse, e.g. an evicted "
-        "block), or the table entry points at a stale slot"
-        + ("" if certain else (" (a sliding window leaves the record's predecessor "
-                               "unverified: a shift or a double allocation fits too)" if swa
-                               else " (no records to cross-reference: a shift or a double "
-                               "allocation fits too)")) + f".{real_kv}"), certain=certain,
-        alternatives=() if certain else ("shifted-mapping", "shared-slot"))
+    return Diagnosis.of(Cause.OVERWRITTEN, "stale" if certain else "stale-window" if swa
+                        else "stale-unchecked", slot=s, position=q, reader=_where(entry),
+                        expected=p, real_kv=real_kv, certain=certain,
+                        alternatives=() if certain else (Cause.SHIFTED_MAPPING,
+                                                         Cause.SHARED_SLOT))
 
 
 def _chain_only(v: Violation, entry: Entry, ev, real_kv) -> Diagnosis:
     s = v.slot_idx
     if entry.prev_slot < 0 and entry.kind != "unknown":
-        return Diagnosis("link-changed", (
-            f"the chain head at position {entry.position} (slot {s}) does not start from the "
-            "anchor: its chain link changed after the write, or it was written as the "
-            f"continuation of another sequence.{real_kv}"))
+        return Diagnosis.of(Cause.LINK_CHANGED, "head", position=entry.position, slot=s,
+                            real_kv=real_kv)
     changed = None if ev is None or entry.prev_slot <= 0 else predecessor_changed(
         ev, entry.prev_slot)
     if changed is None:
-        return Diagnosis("predecessor-changed", (
-            f"only the chain link of slot {s} fails (token and position right): the record at "
-            f"{_prev_where(entry)} changed or was remapped after this token was written, or "
-            f"this record's own chain link was altered.{real_kv}"), certain=False,
-            alternatives=("link-changed",))
+        return Diagnosis.of(Cause.PREDECESSOR_CHANGED, "unchecked", slot=s,
+                            predecessor=_prev_where(entry), real_kv=real_kv, certain=False,
+                            alternatives=(Cause.LINK_CHANGED,))
     if not changed and ev.prev_of(entry.prev_slot) == 0 and not ev.bits_at(entry.prev_slot):
         # The predecessor looks intact, but its own chain check was vacuous (its predecessor
         # in slot 0: a freed SWA slot), so a change of its link would not show.
-        return Diagnosis("link-changed", (
-            f"only the chain link of slot {s} fails (token and position right) and the record "
-            f"at {_prev_where(entry)} shows no finding, but its own chain check could not run "
-            "(its predecessor's slot is freed): this record's stored chain link changed after "
-            f"the write, or the predecessor's did.{real_kv}"), certain=False,
-            alternatives=("predecessor-changed",))
+        return Diagnosis.of(Cause.LINK_CHANGED, "unverified-predecessor", slot=s,
+                            predecessor=_prev_where(entry), real_kv=real_kv, certain=False,
+                            alternatives=(Cause.PREDECESSOR_CHANGED,))
     if changed:
-        return Diagnosis("predecessor-changed", (
-            f"only the chain link of slot {s} fails (token and position right) and "
-            f"{_prev_where(entry)} has a finding of its own: the predecessor's record changed "
-            f"after this token was written; this row follows from that one.{real_kv}"))
-    return Diagnosis("link-changed", (
-        f"only the chain link of slot {s} fails (token and position right) while the record "
-        f"at {_prev_where(entry)} is intact: this record's stored chain link changed after "
-        f"the write.{real_kv}"))
+        return Diagnosis.of(Cause.PREDECESSOR_CHANGED, slot=s, predecessor=_prev_where(entry),
+                            real_kv=real_kv)
+    return Diagnosis.of(Cause.LINK_CHANGED, slot=s, predecessor=_prev_where(entry),
+                        real_kv=real_kv)
 
 
 def likely_cause(v: Violation, *, position: int, prev_slot: int, num_slots: int,

@@ -47,60 +47,105 @@ def test_the_diagnosis_states_members_of_the_enum():
     assert diagnose(Violation(2, 5, 0, 0, -1, 0, 1, 1)).cause is Cause.NEVER_WRITTEN
 
 
-def test_every_cause_named_in_the_source_is_a_member():
-    # Diagnosis("name", ...) and alternatives=(...) literals anywhere in kvcanary.
-    names = set()
-    for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Diagnosis":
-                if node.args and isinstance(node.args[0], ast.Constant):
-                    names.add((path.name, node.args[0].value))
-                for kw in node.keywords:
-                    if kw.arg == "alternatives":
-                        names.update((path.name, n.value) for n in ast.walk(kw.value)
-                                     if isinstance(n, ast.Constant) and isinstance(n.value, str))
-    assert names, "no Diagnosis(...) found"
-    unknown = sorted(n for n in names if n[1] not in CAUSES)
-    assert not unknown, unknown
+# Keywords of Diagnosis.of that are the diagnosis's own fields, not template evidence.
+STATED = {"certain", "alternatives", "related"}
 
 
-def _stated_calls():
-    """Every ``Diagnosis.of(Cause.X, "view", field=...)`` in kvcanary: (file, line, cause
-    name, view, keyword names); and the files that make a Diagnosis any other way."""
+def _views(node, where) -> list:
+    """The template views a ``Diagnosis.of`` view argument can name: a string literal, or a
+    conditional expression choosing between literals."""
+    if isinstance(node, ast.IfExp):
+        return _views(node.body, where) + _views(node.orelse, where)
+    assert isinstance(node, ast.Constant) and isinstance(node.value, str), \
+        f"{where}: the view is a string literal (or a choice between literals)"
+    return [node.value]
+
+
+def _stated_calls(package=PACKAGE):
+    """Every ``Diagnosis.of(Cause.X, "view", field=...)`` under ``package``: (file, line,
+    cause name, views, evidence keyword names, alternatives node); and (file, line) of each
+    Diagnosis made any other way (its text written at the call)."""
     calls, other = [], []
-    for path in PACKAGE.rglob("*.py"):
+    for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if not isinstance(node, ast.Call):
                 continue
-            f = node.func
+            f, where = node.func, f"{path.name}:{node.lineno}"
             if isinstance(f, ast.Attribute) and f.attr == "of" and \
                     getattr(f.value, "id", None) == "Diagnosis":
                 first = node.args[0]
                 assert isinstance(first, ast.Attribute) and first.value.id == "Cause", \
-                    f"{path.name}:{node.lineno}: Diagnosis.of names its cause as Cause.X"
-                view = node.args[1].value if len(node.args) > 1 else ""
+                    f"{where}: Diagnosis.of names its cause as Cause.X"
+                views = _views(node.args[1], where) if len(node.args) > 1 else [""]
                 assert all(k.arg for k in node.keywords), \
-                    f"{path.name}:{node.lineno}: name the evidence fields (no **fields)"
-                calls.append((path, node.lineno, first.attr, view,
-                              {k.arg for k in node.keywords}))
-            elif getattr(f, "id", None) == "Diagnosis":
-                other.append(path)
+                    f"{where}: name the evidence fields (no **fields)"
+                alternatives = [k.value for k in node.keywords if k.arg == "alternatives"]
+                calls.append((path, node.lineno, first.attr, views,
+                              {k.arg for k in node.keywords} - STATED, alternatives))
+            elif getattr(f, "id", None) == "Diagnosis" or (
+                    isinstance(f, ast.Attribute) and f.attr == "Diagnosis"):
+                other.append((path, node.lineno))
     return calls, other
+
+
+def test_every_cause_named_in_the_source_is_a_member():
+    # Diagnosis.of(Cause.X, ..., alternatives=(Cause.Y, ...)) anywhere in kvcanary.
+    calls, _ = _stated_calls()
+    for path, line, name, _, _, alternatives in calls:
+        assert name in Cause.__members__, f"{path.name}:{line}: no Cause.{name}"
+        for node in alternatives:
+            for n in ast.walk(node):
+                assert not (isinstance(n, ast.Constant) and isinstance(n.value, str)), \
+                    f"{path.name}:{line}: name an alternative as Cause.X, not {n.value!r}"
+                if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "Cause":
+                    assert n.attr in Cause.__members__, f"{path.name}:{line}: no Cause.{n.attr}"
 
 
 def test_an_engine_guard_states_causes_only_through_the_templates():
     # The integrations supply evidence; the sentence is the Cause's own template.
     calls, other = _stated_calls()
     integrations = PACKAGE / "integrations"
-    assert not [p for p in other if integrations in p.parents], \
+    assert not [p for p, _ in other if integrations in p.parents], \
         "an integration writes a Diagnosis's text itself: use Diagnosis.of(Cause.X, ...)"
-    used = {(name, view) for path, _, name, view, _ in calls if integrations in path.parents}
+    used = {(name, view) for path, _, name, views, _, _ in calls for view in views
+            if integrations in path.parents}
     assert len(used) >= 25, sorted(used)       # the guards' causes all come this way
-    for path, line, name, view, fields in calls:
+    for path, line, name, views, fields, _ in calls:
         cause = Cause[name]
-        assert view in cause.templates, f"{path.name}:{line}: {name} has no template {view!r}"
-        wanted = {f for _, f, _, _ in string.Formatter().parse(cause.templates[view]) if f}
-        assert fields == wanted, f"{path.name}:{line}: {name}/{view!r} renders {sorted(wanted)}"
+        for view in views:
+            assert view in cause.templates, f"{path.name}:{line}: {name} has no template {view!r}"
+            wanted = {f for _, f, _, _ in string.Formatter().parse(cause.templates[view]) if f}
+            assert fields == wanted, \
+                f"{path.name}:{line}: {name}/{view!r} renders {sorted(wanted)}"
+
+
+def test_the_audit_states_causes_only_through_the_templates():
+    # The decision tree decides; the sentences are the Cause's templates. No Diagnosis in
+    # kvcanary is made with a text written at the call, and no evidence field is a sentence
+    # (an f-string or a literal phrase: those are templates, or a named phrase of causes).
+    calls, other = _stated_calls()
+    assert not other, [f"{p.relative_to(PACKAGE)}:{line}: Diagnosis(...) with its own text; "
+                       "use Diagnosis.of(Cause.X, view, field=...)" for p, line in other]
+    audit = {(name, view) for path, _, name, views, _, _ in calls for view in views
+             if path == PACKAGE / "findings" / "diagnosis.py"}
+    assert len(audit) >= 35, sorted(audit)     # every branch of the decision tree
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "of" and \
+                    getattr(node.func.value, "id", None) == "Diagnosis":
+                for kw in node.keywords:
+                    prose = isinstance(kw.value, ast.JoinedStr) or (
+                        isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)
+                        and " " in kw.value.value)
+                    assert not prose, f"{path.name}:{node.lineno}: {kw.arg}= is a sentence"
+
+
+def test_the_static_check_sees_an_inline_text(tmp_path):
+    # The check above must catch a Diagnosis built with its own text, as the tree once did.
+    (tmp_path / "planted.py").write_text(
+        'def f(s):\n    return Diagnosis("never-written", f"slot {s} is empty")\n')
+    _, other = _stated_calls(tmp_path)
+    assert [(p.name, line) for p, line in other] == [("planted.py", 2)]
 
 
 def test_every_template_renders_its_fields_and_says_which_is_missing():
