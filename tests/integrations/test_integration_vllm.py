@@ -385,3 +385,18 @@ def test_the_plugin_leaves_the_engine_unguarded_when_the_guard_cannot_start(
     assert errors[0].exc_info[0] is AttributeError
     engine.run()
     assert not engine.scheduler.has_unfinished_requests()
+
+
+def test_a_real_finding_still_raises_under_on_violation_raise(tmp_model):
+    engine = ve.Engine(ve.Config(seed=40, num_blocks=16, requests=14), tmp_model)
+    g = kvv.guard(engine.scheduler, on_violation="raise")
+    with g:
+        while _running(engine)[0] is None:
+            engine.step()
+        victim, own, pool = _running(engine)
+        pool.free_blocks([own[-1]])            # the bug: freed while the request maps it
+        with pytest.raises(kvv.GuardError, match="KV-cache violation") as info:
+            for _ in range(200):
+                engine.step()
+    assert info.value.finding is g.findings()[0] and g.stepped_aside is None
+    assert g.summary()["stepped_aside"] is None
