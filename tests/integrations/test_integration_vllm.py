@@ -317,3 +317,86 @@ def test_plugin_is_inert_without_its_variable(monkeypatch):
     monkeypatch.setenv("KVCANARY_VLLM_ON_VIOLATION", "shout")
     with pytest.raises(kvv.GuardError, match="KVCANARY_VLLM_ON_VIOLATION"):
         plugin.options()
+
+
+def _schedules(engine, max_steps=400):
+    """What the scheduler handed the model runner, step by step, and the steps run."""
+    seen = []
+    while (engine.pending or engine.scheduler.has_unfinished_requests()) and \
+            engine.steps < max_steps:
+        out = engine.step()
+        seen.append((sorted(out.num_scheduled_tokens.items()),
+                     sorted((n.req_id, n.block_ids) for n in out.scheduled_new_reqs),
+                     sorted(out.preempted_req_ids or ())))
+    return seen
+
+
+def test_a_bug_in_the_guard_steps_aside_and_the_engine_runs_on(tmp_model, monkeypatch, caplog):
+    import logging
+
+    from kvcanary.integrations.vllm import session as session_module
+
+    cfg = ve.Config(seed=45, num_blocks=12, requests=14)
+    unguarded = _schedules(ve.Engine(cfg, tmp_model))
+    original, calls = session_module.Session.on_schedule, []
+
+    def broken(self, out):
+        calls.append(1)
+        if len(calls) == 5:
+            raise ZeroDivisionError("a bug in the guard")
+        return original(self, out)
+
+    monkeypatch.setattr(session_module.Session, "on_schedule", broken)
+    engine = ve.Engine(cfg, tmp_model)
+    g = kvv.guard(engine.scheduler, on_violation="raise")
+    with caplog.at_level(logging.ERROR, logger="kvcanary"), g:
+        guarded = _schedules(engine)
+    assert guarded == unguarded and not engine.scheduler.has_unfinished_requests()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "steps aside" in errors[0].getMessage()
+    assert errors[0].exc_info and errors[0].exc_info[0] is ZeroDivisionError   # the traceback
+    assert len(calls) == 5 and g.summary()["steps"] == 4     # it stopped checking
+    assert "ZeroDivisionError: a bug in the guard" in g.summary()["stepped_aside"]
+    assert isinstance(g.stepped_aside.__cause__, ZeroDivisionError)
+
+
+def test_the_plugin_leaves_the_engine_unguarded_when_the_guard_cannot_start(
+        tmp_model, monkeypatch, caplog):
+    import logging
+
+    from kvcanary.integrations.vllm import guarding, plugin
+
+    def broken(*args, **kwargs):
+        raise AttributeError("a bug in the guard")
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "__init__", Scheduler.__init__)   # restored afterwards
+    monkeypatch.setattr(guarding, "guard", broken)
+    monkeypatch.setattr(plugin, "GUARDS", [])
+    monkeypatch.setenv("KVCANARY_VLLM", "1")
+    plugin.register()
+    with caplog.at_level(logging.ERROR, logger="kvcanary"):
+        engine = ve.Engine(ve.Config(seed=46, requests=4), tmp_model)   # the hooked __init__
+    assert getattr(Scheduler.__init__, "_kvcanary", False)
+    assert plugin.GUARDS == [] and "schedule" not in engine.scheduler.__dict__
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "runs unguarded" in errors[0].getMessage()
+    assert errors[0].exc_info[0] is AttributeError
+    engine.run()
+    assert not engine.scheduler.has_unfinished_requests()
+
+
+def test_a_real_finding_still_raises_under_on_violation_raise(tmp_model):
+    engine = ve.Engine(ve.Config(seed=40, num_blocks=16, requests=14), tmp_model)
+    g = kvv.guard(engine.scheduler, on_violation="raise")
+    with g:
+        while _running(engine)[0] is None:
+            engine.step()
+        victim, own, pool = _running(engine)
+        pool.free_blocks([own[-1]])            # the bug: freed while the request maps it
+        with pytest.raises(kvv.GuardError, match="KV-cache violation") as info:
+            for _ in range(200):
+                engine.step()
+    assert info.value.finding is g.findings()[0] and g.stepped_aside is None
+    assert g.summary()["stepped_aside"] is None

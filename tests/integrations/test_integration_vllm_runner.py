@@ -185,3 +185,49 @@ def test_sources_and_layout_are_checked(cached_llm):
         assert kvv.guard(scheduler, model_runner=runner, sources="v0").summary()["sources"] == 1
     finally:
         layer.isa = isa
+
+
+def _greedy(llm, seed=7, requests=5):
+    """Each request's generated token ids (greedy, so two runs can be compared)."""
+    from vllm import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(3, 400, 40).tolist()
+    prompts = [{"prompt_token_ids": prefix[:int(rng.integers(0, 41))] +
+                rng.integers(3, 400, int(rng.integers(10, 60))).tolist()}
+               for _ in range(requests)]
+    vre.parts(llm)[0].reset_prefix_cache()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                                   ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("method", ["on_schedule", "after_forward", "copy_mapping"])
+def test_a_bug_in_the_guard_steps_aside_and_the_engine_runs_on(cached_llm, monkeypatch,
+                                                               caplog, method):
+    import logging
+
+    from kvcanary.integrations.vllm import runner as runner_module
+
+    unguarded = _greedy(cached_llm)
+    original, calls = getattr(runner_module.RunnerSession, method), []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ZeroDivisionError("a bug in the guard")
+        return original(*args, **kwargs)
+
+    if method == "copy_mapping":       # a staticmethod, called from do_kv_cache_update
+        broken = staticmethod(broken)
+    monkeypatch.setattr(runner_module.RunnerSession, method, broken)
+    scheduler, runner = vre.parts(cached_llm)
+    g = kvv.guard(scheduler, model_runner=runner, on_violation="raise")
+    with caplog.at_level(logging.ERROR, logger="kvcanary"), g:
+        guarded = _greedy(cached_llm)
+    assert guarded == unguarded and all(len(tokens) == 12 for tokens in guarded)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "steps aside" in errors[0].getMessage()
+    assert errors[0].exc_info[0] is ZeroDivisionError        # logged with its traceback
+    assert len(calls) == 3 and g.summary()["steps"] <= 3      # it stopped checking
+    assert "ZeroDivisionError: a bug in the guard" in g.summary()["stepped_aside"]

@@ -56,7 +56,11 @@ def guard(scheduler, *, check_tokens: bool = True, on_violation="log",
     receiving each new :class:`~kvcanary.integrations.findings.Finding`.
 
     Raises :class:`GuardError` for a vLLM version outside ``SUPPORTED_RANGE``, a scheduler
-    without a KV cache manager, or a bad argument."""
+    without a KV cache manager, or a bad argument. A failure inside the guard itself (a
+    kvcanary bug, not a finding) never reaches the engine: the guard logs it once (an ERROR
+    on the ``kvcanary`` logger, with its traceback), steps aside for the rest of the run (the
+    engine's calls pass through unchecked, their results untouched) and says so in
+    ``guard.stepped_aside`` and ``summary()["stepped_aside"]``."""
     import vllm
 
     if not supported_version(vllm.__version__):
@@ -93,7 +97,14 @@ def guard(scheduler, *, check_tokens: bool = True, on_violation="log",
 
 class Guard:
     """Guards one scheduler while its ``with`` block runs (see :func:`guard`). Outside the
-    block the scheduler is exactly as it was."""
+    block the scheduler is exactly as it was.
+
+    Attributes
+    ----------
+    stepped_aside : GuardError or None
+        Set when the guard itself failed (its cause the original exception): from then on
+        it checks nothing and the engine runs unguarded.
+    """
 
     def __init__(self, scheduler, check_tokens, on_violation, ring_capacity):
         self.scheduler = scheduler
@@ -110,6 +121,7 @@ class Guard:
         self.session = Session(self, scheduler)
         self._inside = False
         self._error = None
+        self.stepped_aside = None
 
     def __enter__(self) -> "Guard":
         if self._inside:
@@ -121,9 +133,15 @@ class Guard:
 
         def schedule(*args, **kwargs):
             out = original(*args, **kwargs)
+            if self.stepped_aside is not None:
+                return out
             start = time.perf_counter()
             self._error = None
-            self.session.on_schedule(out)
+            try:
+                self.session.on_schedule(out)
+            except Exception as exc:   # a bug in the guard must not stop the engine
+                self.step_aside(exc, "at the scheduler's schedule")
+                return out
             if hasattr(self.session, "install"):   # the step closes after the forward
                 self._scheduled = time.perf_counter() - start
             else:
@@ -138,6 +156,20 @@ class Guard:
             self.session.install()
         self._inside = True
         return self
+
+    def step_aside(self, exc: Exception, where: str) -> None:
+        """The guard failed (``exc``, raised ``where``): log it once, loudly, with its
+        traceback, and stop checking; the engine runs unguarded from here. A finding not
+        yet raised is dropped with the step (it stays in :meth:`findings`)."""
+        self._error = None
+        if self.stepped_aside is not None:
+            return
+        error = GuardError(f"the guard failed {where} ({type(exc).__name__}: {exc}) after "
+                           f"{self.stats['steps']} guarded step(s); it steps aside and the "
+                           "engine runs unguarded from here")
+        error.__cause__ = exc
+        self.stepped_aside = error
+        logger.error("%s", error, exc_info=(type(exc), exc, exc.__traceback__))
 
     def close_step(self, seconds: float) -> None:
         """Model-runner mode: the step's guard time is its schedule part and ``seconds``
@@ -172,10 +204,12 @@ class Guard:
         dropped rows, ``groups`` and the median guard time per step (``guard_ms_median``;
         ``guard.step_times`` holds the latest 65536 steps' seconds); in the model-runner mode
         also ``sources``, ``write_index_mismatches`` and the model runner's own median
-        ``execute_model`` time (``engine_ms_median``)."""
+        ``execute_model`` time (``engine_ms_median``); ``stepped_aside``: ``None``, or the
+        text of the guard's own failure after which it stopped checking."""
         times = np.array(self.step_times or [0.0])
         out = dict(self.stats, findings=len(self.merger),
-                   guard_ms_median=float(np.median(times) * 1e3))
+                   guard_ms_median=float(np.median(times) * 1e3),
+                   stepped_aside=None if self.stepped_aside is None else str(self.stepped_aside))
         if self.engine_times:
             out["engine_ms_median"] = float(np.median(np.array(self.engine_times)) * 1e3)
         return out

@@ -17,7 +17,10 @@ Without the variable the plugin does nothing. Options, by environment variable:
 Each new finding is one WARNING on the ``kvcanary`` logger whose text starts with SGLang's
 ``kv_canary violation:`` line, so ``kvcanary explain`` reads the engine's log. The supported
 vLLM versions are checked when the guard starts; an unsupported one is logged and left
-unguarded.
+unguarded. The plugin never stops the engine: a guard that cannot start (an unsupported
+version, a bad option, a failure of kvcanary's own) is an ERROR on the ``kvcanary`` logger
+and the engine runs unguarded; a guard that fails later steps aside (see
+:func:`kvcanary.integrations.vllm.guard`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,14 @@ def register() -> None:
     may load plugins several times in one process)."""
     if os.environ.get("KVCANARY_VLLM") != "1":
         return
+    try:
+        _hook_scheduler()
+    except Exception:   # vLLM calls general plugins unguarded: never stop its start
+        logger.exception("%sthe vLLM plugin could not hook the scheduler; the engine runs "
+                         "unguarded", GUARD_PREFIX)
+
+
+def _hook_scheduler() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     if getattr(Scheduler.__init__, "_kvcanary", False):
@@ -81,10 +92,14 @@ def _install(scheduler) -> None:
 
     try:
         g = guard(scheduler, **options())
-    except GuardError as exc:
+        g.__enter__()
+    except GuardError as exc:      # a setup the guard refuses, said in its own words
         logger.error("%s; the engine runs unguarded", exc)
         return
-    g.__enter__()
+    except Exception:              # a failure of kvcanary's own: loud, with its traceback
+        logger.exception("%sthe guard could not start on vLLM's scheduler; the engine runs "
+                         "unguarded", GUARD_PREFIX)
+        return
     GUARDS.append(g)
     logger.info("%sguarding vLLM's scheduler (%d KV cache group(s))", GUARD_PREFIX,
                 g.stats["groups"])
@@ -95,12 +110,21 @@ def _install(scheduler) -> None:
 def _at_exit() -> None:
     path = os.environ.get("KVCANARY_VLLM_DUMP")
     for index, g in enumerate(GUARDS):
-        summary = g.summary()
-        logger.info("%s%d steps guarded, %d finding(s)", GUARD_PREFIX, summary["steps"],
-                    summary["findings"])
-        if path and g.session.last is not None:
-            target = path if index == 0 else f"{path}.{index}"
-            try:
-                g.dump(target)
-            except (OSError, ValueError) as exc:
-                logger.error("%sthe dump %s could not be written: %s", GUARD_PREFIX, target, exc)
+        try:
+            _close(g, index, path)
+        except Exception:   # at exit too: a failure of its own never fails the process
+            logger.exception("%sthe guard's exit report failed", GUARD_PREFIX)
+
+
+def _close(g, index: int, path) -> None:
+    summary = g.summary()
+    aside = summary["stepped_aside"]
+    logger.info("%s%d steps guarded, %d finding(s)%s", GUARD_PREFIX, summary["steps"],
+                summary["findings"], "" if aside is None else
+                "; it stepped aside: " + aside.removeprefix(GUARD_PREFIX))
+    if path and g.session.last is not None:
+        target = path if index == 0 else f"{path}.{index}"
+        try:
+            g.dump(target)
+        except (OSError, ValueError) as exc:
+            logger.error("%sthe dump %s could not be written: %s", GUARD_PREFIX, target, exc)

@@ -128,13 +128,22 @@ class RunnerSession(Session):
         original_execute = runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
+            g = self.guard
+            if g.stepped_aside is not None:
+                return original_execute(scheduler_output, *args, **kwargs)
             self.mapping = None
             start = time.perf_counter()
             result = original_execute(scheduler_output, *args, **kwargs)
             engine = time.perf_counter() - start
-            self.guard.engine_times.append(engine)
-            self.after_forward(scheduler_output)
-            self.guard.close_step(time.perf_counter() - start - engine)
+            if g.stepped_aside is not None:      # it failed during the forward
+                return result
+            try:
+                g.engine_times.append(engine)
+                self.after_forward(scheduler_output)
+            except Exception as exc:   # a bug in the guard must not stop the engine
+                g.step_aside(exc, "after the model runner's execute_model")
+                return result
+            g.close_step(time.perf_counter() - start - engine)   # a finding may raise here
             return result
 
         self._wrap(runner, "execute_model", execute_model)
@@ -144,11 +153,20 @@ class RunnerSession(Session):
 
             def do_kv_cache_update(attn_layer, key, value, kv_cache, slot_mapping,
                                    _original=original_update):
-                if self.mapping is None:
-                    self.mapping = slot_mapping.detach().to("cpu").numpy().astype(np.int64)
+                if self.mapping is None and self.guard.stepped_aside is None:
+                    try:
+                        self.mapping = self.copy_mapping(slot_mapping)
+                    except Exception as exc:   # the layer still writes its KV
+                        self.guard.step_aside(exc, "at an attention layer's "
+                                              "do_kv_cache_update")
                 return _original(attn_layer, key, value, kv_cache, slot_mapping)
 
             self._wrap(impl, "do_kv_cache_update", do_kv_cache_update)
+
+    @staticmethod
+    def copy_mapping(slot_mapping) -> np.ndarray:
+        """The step's ``slot_mapping`` (a torch tensor) as int64 on the host."""
+        return slot_mapping.detach().to("cpu").numpy().astype(np.int64)
 
     def _wrap(self, obj, name, wrapper) -> None:
         wrapper.__wrapped__ = getattr(obj, name)
