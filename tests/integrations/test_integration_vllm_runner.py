@@ -207,6 +207,7 @@ def test_a_bug_in_the_guard_steps_aside_and_the_engine_runs_on(cached_llm, monke
                                                                caplog, method):
     import logging
 
+    from fuzz_support import hang_guard
     from kvcanary.integrations.vllm import runner as runner_module
 
     unguarded = _greedy(cached_llm)
@@ -223,7 +224,9 @@ def test_a_bug_in_the_guard_steps_aside_and_the_engine_runs_on(cached_llm, monke
     monkeypatch.setattr(runner_module.RunnerSession, method, broken)
     scheduler, runner = vre.parts(cached_llm)
     g = kvv.guard(scheduler, model_runner=runner, on_violation="raise")
-    with caplog.at_level(logging.ERROR, logger="kvcanary"), g:
+    # An exception escaping into the in-process engine mid-step leaves it stuck: a regression
+    # here ends the run with every thread's stack rather than hanging it.
+    with hang_guard(180), caplog.at_level(logging.ERROR, logger="kvcanary"), g:
         guarded = _greedy(cached_llm)
     assert guarded == unguarded and all(len(tokens) == 12 for tokens in guarded)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
