@@ -24,6 +24,7 @@ written to a slot other than the one the block table maps).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -35,6 +36,7 @@ from ..format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN,
                            VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
                            WRITE_POSITION_MISMATCH as _WRITE_POSITION)
 from ..format.consts import VIOLATION_FIELDS
+from ..format.errors import GuardError
 from ..format.violations import reason_labels
 
 READ_INDEX_MISMATCH = "read_index_mismatch"
@@ -306,6 +308,23 @@ def _shift(slot, near_slots) -> int:
 def row_reasons(bits: int, guard_checks=()) -> tuple:
     """Fail-reason labels of a row's bits followed by the guard's own checks."""
     return tuple(reason_labels(bits)) + tuple(guard_checks)
+
+
+def deliver(finding: "Finding", on_violation, stopped: str) -> GuardError | None:
+    """Hand a new finding to what the user chose at ``guard()``: ``"log"`` writes a WARNING
+    on the ``kvcanary`` logger (SGLang's violation line, the request, the position and the
+    likely cause), a callable receives the finding, and ``"raise"`` returns the
+    :class:`GuardError` (``stopped``: what it says stopped) that the guard raises where the
+    engine's call returns."""
+    if on_violation == "log":
+        logging.getLogger("kvcanary").warning(
+            "%s request=%s position=%d: likely cause: %s", finding.log_line,
+            finding.request_id, finding.position, finding.explanation)
+    elif on_violation == "raise":
+        return GuardError(f"{stopped}: {finding.describe()}", finding)
+    else:
+        on_violation(finding)
+    return None
 
 
 def take_ring_rows(log, guard, step: int):

@@ -15,7 +15,7 @@ from ...backends.reference import realkv_compiled
 from ...dump import save as save_dump
 from ...format.consts import HASH_MODE_NAMES
 from ...format.errors import GUARD_PREFIX, GuardError
-from ..findings import Finding, Sighting
+from ..findings import Finding, Sighting, deliver
 from .groups import CacheSession, check_model
 from .hooks import SUPPORTED_RANGE, Hooks, supported_version
 from .manager import RAW_ROWS_KEPT, STEP_TIMES_KEPT
@@ -221,13 +221,7 @@ class Guard:
         return self.session
 
     def report(self, finding) -> None:
-        if self.on_violation == "log":
-            logger.warning("%s request=%s position=%d: likely cause: %s", finding.log_line,
-                           finding.request_id, finding.position, finding.explanation)
-        elif self.on_violation == "raise":
-            if self.error is None:
-                self.error = GuardError(f"KV-cache violation, generation stopped: "
-                                         f"{finding.describe()}", finding)
-        else:
-            self.on_violation(finding)
+        error = deliver(finding, self.on_violation, "KV-cache violation, generation stopped")
+        if error is not None and self.error is None:
+            self.error = error
 

@@ -15,7 +15,7 @@ from ... import Merger, RealKvHashMode, Violation
 from ...dump import save as save_dump
 from ...format.consts import HASH_MODE_NAMES
 from ...format.errors import GuardError
-from ..findings import Finding, Sighting
+from ..findings import Finding, Sighting, deliver
 from .session import Session
 
 logger = logging.getLogger("kvcanary")
@@ -221,13 +221,7 @@ class Guard:
         return save_dump(path, **self.session.dump_arrays())
 
     def report(self, finding) -> None:
-        if self.on_violation == "log":
-            logger.warning("%s request=%s position=%d: likely cause: %s", finding.log_line,
-                           finding.request_id, finding.position, finding.explanation)
-        elif self.on_violation == "raise":
-            if self._error is None:
-                self._error = GuardError("KV-cache violation: "
-                                         f"{finding.describe()}", finding)
-        else:
-            self.on_violation(finding)
+        error = deliver(finding, self.on_violation, "KV-cache violation")
+        if error is not None and self._error is None:
+            self._error = error
 
