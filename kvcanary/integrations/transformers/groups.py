@@ -33,7 +33,7 @@ from ... import LaunchTag
 from ...model.types import to_host
 from ...format.errors import GuardError
 from .session import Session, host_array
-from .stepbatch import slot_grid
+from .stepbatch import BlockTables
 
 if TYPE_CHECKING:    # the guard module imports this one
     from . import Guard
@@ -86,13 +86,12 @@ class _SlidingSession(Session):
         # longer so that the out-of-buffer marker (num_slots) reaches verify as itself.
         self.lut = self.xp.arange(self.num_slots + 1, dtype=self.xp.int64)
 
-    def step_tables(self, block_lists, past: np.ndarray, query: np.ndarray,
+    def step_tables(self, blocks: BlockTables, past: np.ndarray, query: np.ndarray,
                     width: int) -> np.ndarray:
         """The ring slot of each position (``num_slots`` past the blocks), 0 for positions
         that slid out of the window and for a long chunk's trashed tokens."""
         ring = np.arange(width, dtype=np.int64) % self.window
-        slots = slot_grid(block_lists, ring // self.page, ring % self.page, self.page,
-                          self.num_slots)
+        slots = blocks.grid(ring // self.page, ring % self.page, self.page, self.num_slots)
         columns = np.arange(width)[None, :]
         slots[columns < (past - self.swa_window_size)[:, None]] = 0      # slid out
         slots[(columns >= past[:, None])

@@ -166,3 +166,5 @@ def _compact_names(session) -> None:
     column[column >= 0] = new_of_old[column[column >= 0]]
     session.request_names = [session.request_names[i] for i in old.tolist()]
     session.uid_of = {rid: int(new_of_old[uid]) for rid, uid in session.uid_of.items()}
+    for rid, rec in session.requests.items():    # each live record keeps its row
+        rec.uid = session.uid_of[rid]

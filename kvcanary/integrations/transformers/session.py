@@ -15,6 +15,7 @@ records, offloading carries them, and the last step is kept for the dump.
 from __future__ import annotations
 
 import contextlib
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,20 +39,27 @@ from ..findings import (
 from ...format.errors import GuardError
 from . import dumps
 from .history import AllocatorHistory
-from .stepbatch import StepBatch, TokenCache, slot_grid
+from .ownwrites import OwnWrites
+from .stepbatch import BlockTables, StepBatch, TokenCache
 
 if TYPE_CHECKING:    # the guard module imports this one
     from . import Guard
 
 
 class _Request:
-    __slots__ = ("request_id", "state", "length", "own", "restored", "token_cache")
+    # serial: this record's key in the session's log of own writes (never reused); uid: the
+    # request's row in the names table behind the writer column (renumbered on compaction)
+    __slots__ = ("request_id", "state", "length", "serial", "uid", "restored", "token_cache")
 
-    def __init__(self, request_id, state, length):
+    def __init__(self, request_id, state, length, serial, uid):
         self.request_id, self.state, self.length = request_id, state, length
-        self.own = {}   # position -> (slot it was written to, whether the table named it)
+        self.serial, self.uid = serial, uid
         self.restored = False
         self.token_cache = TokenCache()
+
+
+_UID = attrgetter("uid")
+_SERIAL = attrgetter("serial")
 
 
 class Session:
@@ -100,9 +108,11 @@ class Session:
         self.request_names: list = []
         self.uid_of: dict = {}
         self.requests: dict = {}
+        self.serials = 0          # request records made so far (the next one's serial)
+        self.own = OwnWrites()    # where each request wrote each of its positions
         self.saved: dict = {}     # offloaded request id -> (records, writer columns) per block
         self.step = None
-        self.last = None
+        self._last = self._last_list = None    # the last checked step (see last)
         self.processor = None     # the batch processor of the last guarded step
         self.history = AllocatorHistory(allocator)
         self.batch = self.verify_plan = self.write_plan = None
@@ -154,14 +164,14 @@ class Session:
         slots[bad] = self.num_slots
         return slots
 
-    def step_tables(self, block_lists, past: np.ndarray, query: np.ndarray,
+    def step_tables(self, blocks: BlockTables, past: np.ndarray, query: np.ndarray,
                     width: int) -> np.ndarray:
         """The slots this step expects, ``int64[requests, width]``: per request (its block
-        table's blocks, ``past`` tokens cached and ``query`` written now) and position, the
-        block table's slot (``num_slots`` past its blocks)."""
+        table's ``blocks``, ``past`` tokens cached and ``query`` written now) and position,
+        the block table's slot (``num_slots`` past its blocks)."""
         positions = np.arange(width, dtype=np.int64)
-        return slot_grid(block_lists, positions // self.page, positions % self.page,
-                         self.page, self.num_slots)
+        return blocks.grid(positions // self.page, positions % self.page, self.page,
+                           self.num_slots)
 
     def read_span(self, engine_past: np.ndarray, query: np.ndarray) -> tuple:
         """``(count, first)`` per request: how many read indices the engine lists for it,
@@ -206,7 +216,9 @@ class Session:
             rec = requests.get(state.request_id)
             if rec is None or rec.state is not state or rec.restored:
                 if rec is None or rec.state is not state:
-                    rec = _Request(state.request_id, state, ep)
+                    rec = _Request(state.request_id, state, ep, self.serials,
+                                   self._uid(state.request_id))
+                    self.serials += 1
                     requests[state.request_id] = rec
                 rec.length, rec.restored = ep, False
             recs.append(rec)
@@ -218,10 +230,10 @@ class Session:
         past = np.fromiter((rec.length for rec in recs), dtype=np.int64, count=n)
         width = int((np.maximum(past, engine_past) + query).max()) + 1 if n else 1
         tables = self.allocator.block_table
-        table = self.step_tables([tables.get(rec.request_id, ()) for rec in recs], past,
-                                 query, width)
+        blocks = BlockTables([tables.get(rec.request_id, ()) for rec in recs])
+        table = self.step_tables(blocks, past, query, width)
         return StepBatch(recs, query, engine_past, past, table,
-                         [rec.token_cache.tokens(rec.state) for rec in recs])
+                         [rec.token_cache.tokens(rec.state) for rec in recs], blocks)
 
     def _plan_and_verify(self, batch: StepBatch) -> None:
         g, xp, n = self.guard, self.xp, len(batch)
@@ -328,35 +340,46 @@ class Session:
                 entry = Entry(batch_index=key[0], request_row=key[0] + 1, position=key[1])
                 event[1] = LaunchFinding(v, entry, failed_checks(v.fail_reason_bits),
                                          diagnose(v, entry), self.step)
-        written_list, followed_list = written.tolist(), followed.tolist()
         if events:
             # Who wrote each slot (findings name the writer) and where each request wrote.
             keys = list(zip(owners.tolist(), expected_positions.tolist()))
             self._record(events, batch,
-                         written=dict(zip(keys, zip(written_list, followed_list))),
+                         written=dict(zip(keys, zip(written.tolist(), followed.tolist()))),
                          engine_positions=dict(zip(keys, positions.tolist())))
         inside = written < self.num_slots
-        uids = np.array([self._uid(rec.request_id) for rec in batch.recs], dtype=np.int64)
+        recs, n = batch.recs, len(batch)
+        uids = np.fromiter(map(_UID, recs), dtype=np.int64, count=n)
         slots = written[inside]
         self.writer_request[slots] = uids[owners[inside]]
         self.writer_position[slots] = expected_positions[inside]
         self.writer_step[slots] = self.step
         self.writer_followed[slots] = followed[inside]
-        at, tables = 0, self.allocator.block_table
-        last = []
-        for rec, past, q, engine_past, tokens in zip(
-                batch.recs, batch.past.tolist(), batch.query.tolist(),
-                batch.engine_past.tolist(), batch.token_views):
-            if q:
-                rec.own.update(zip(range(past, past + q),
-                                   zip(written_list[at:at + q], followed_list[at:at + q])))
-                at += q
-            rec.length = engine_past + q      # follow the engine once its step is checked
-            last.append((rec.request_id, list(tables.get(rec.request_id, ())), rec.length,
-                         tokens))
-        self.last = last
+        if total:
+            serials = np.fromiter(map(_SERIAL, recs), dtype=np.int64, count=n)
+            self.own.add(serials[owners], expected_positions, written, followed)
+            if self.own.full():
+                self.own.compact(np.fromiter(map(_SERIAL, self.requests.values()),
+                                             dtype=np.int64, count=len(self.requests)))
+        lengths = batch.engine_past + batch.query
+        for rec, length in zip(recs, lengths.tolist()):
+            rec.length = length       # follow the engine once its step is checked
+        self._last = (batch, lengths)
+        self._last_list = None
         if g.error is not None:
             raise g.error
+
+    @property
+    def last(self) -> list | None:
+        """The last checked step's requests as ``(request id, its blocks, its length, its
+        token ids)``, None before the first; built when asked (a dump), not every step."""
+        if self._last is None:
+            return None
+        if self._last_list is None:
+            batch, lengths = self._last
+            self._last_list = [
+                (rec.request_id, blocks, length, tokens) for rec, blocks, length, tokens in
+                zip(batch.recs, batch.blocks.lists(), lengths.tolist(), batch.token_views)]
+        return self._last_list
 
     def written_slots(self, io, batch: StepBatch, planned: np.ndarray) -> np.ndarray:
         """The slots the engine's write indices of this step name, token by token
@@ -392,7 +415,8 @@ class Session:
         for found in g.merger.add(sightings):
             i, position, slot = batch_index[found.finding.key()], found.position, found.slot
             key = (i, position)
-            own = (written or {}).get(key) or batch.recs[i].own.get(position) or (None, True)
+            own = (written or {}).get(key) or self.own.get(batch.recs[i].serial, position) \
+                or (None, True)
             found.state(explain(found.finding, self._evidence(
                 batch.recs[i], position, slot, batch.table_of(i), own,
                 (engine_positions or {}).get(key), (i, position - 1) in self.misread)),

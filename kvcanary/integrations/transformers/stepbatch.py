@@ -57,21 +57,40 @@ class TokenCache:
         return self.buffer[:total]
 
 
+class BlockTables:
+    """The block tables of a step's requests as one flat array: request ``i``'s blocks are
+    ``flat[start[i]:start[i] + count[i]]`` (a copy, taken when the step is gathered)."""
+
+    __slots__ = ("flat", "count", "start")
+
+    def __init__(self, block_lists):
+        self.count = np.fromiter(map(len, block_lists), dtype=np.int64, count=len(block_lists))
+        self.flat = np.fromiter(chain.from_iterable(block_lists), dtype=np.int64,
+                                count=int(self.count.sum()))
+        self.start = np.cumsum(self.count) - self.count
+
+    def grid(self, block_index: np.ndarray, offset: np.ndarray, page: int,
+             missing: int) -> np.ndarray:
+        """``int64[requests, len(block_index)]``: per request and position, the slot
+        ``blocks[block_index] * page + offset``, ``missing`` where the request has no such
+        block. ``block_index`` and ``offset`` give, per position, which of a request's blocks
+        holds it and where in the block (the same for every request)."""
+        flat = self.flat if self.flat.size else np.zeros(1, dtype=np.int64)
+        inside = block_index[None, :] < self.count[:, None]
+        index = np.where(inside, self.start[:, None] + block_index[None, :], 0)
+        return np.where(inside, flat[index] * page + offset[None, :], missing)
+
+    def lists(self) -> list:
+        """Each request's blocks as a list."""
+        flat = self.flat.tolist()
+        return [flat[start:start + count]
+                for start, count in zip(self.start.tolist(), self.count.tolist())]
+
+
 def slot_grid(block_lists, block_index: np.ndarray, offset: np.ndarray, page: int,
               missing: int) -> np.ndarray:
-    """``int64[len(block_lists), len(block_index)]``: per request (its list of blocks) and
-    position, the slot ``blocks[block_index] * page + offset``, ``missing`` where the request
-    has no such block. ``block_index`` and ``offset`` give, per position, which of a request's
-    blocks holds it and where in the block (the same for every request)."""
-    counts = np.fromiter(map(len, block_lists), dtype=np.int64, count=len(block_lists))
-    flat = np.fromiter(chain.from_iterable(block_lists), dtype=np.int64,
-                       count=int(counts.sum()))
-    if flat.size == 0:
-        flat = np.zeros(1, dtype=np.int64)
-    start = np.cumsum(counts) - counts
-    inside = block_index[None, :] < counts[:, None]
-    index = np.where(inside, start[:, None] + block_index[None, :], 0)
-    return np.where(inside, flat[index] * page + offset[None, :], missing)
+    """:meth:`BlockTables.grid` of ``block_lists`` (per request, its list of blocks)."""
+    return BlockTables(block_lists).grid(block_index, offset, page, missing)
 
 
 class StepBatch:
@@ -82,13 +101,14 @@ class StepBatch:
     count of its cached tokens (all int64 ``[n]``); ``table`` the slots the step expects per
     position (``int64[n, width]``, valid below ``reach``); ``read`` the slots verified per
     position (valid below ``past``); ``tokens`` the requests' token ids one after another,
-    request ``i``'s from ``token_start[i]``, ``token_len[i]`` of them."""
+    request ``i``'s from ``token_start[i]``, ``token_len[i]`` of them; ``blocks`` their block
+    tables (:class:`BlockTables`) when the step has them."""
 
     __slots__ = ("recs", "query", "engine_past", "past", "reach", "table", "read", "tokens",
-                 "token_start", "token_len", "token_views", "owners", "entry")
+                 "token_start", "token_len", "token_views", "owners", "entry", "blocks")
 
-    def __init__(self, recs, query, engine_past, past, table, token_views):
-        self.recs = recs
+    def __init__(self, recs, query, engine_past, past, table, token_views, blocks=None):
+        self.recs, self.blocks = recs, blocks
         self.query, self.engine_past, self.past = query, engine_past, past
         self.reach = np.maximum(past, engine_past) + query + 1
         self.table = table
