@@ -32,7 +32,7 @@ import numpy as np
 from ... import LaunchTag
 from ...model.types import to_host
 from ...format.errors import GuardError
-from .session import Session, host_array
+from .session import Session
 from .stepbatch import BlockTables
 
 if TYPE_CHECKING:    # the guard module imports this one
@@ -105,7 +105,7 @@ class _SlidingSession(Session):
     def written_slots(self, io, batch, planned: np.ndarray) -> np.ndarray:
         if io.use_block_table:
             return super().written_slots(io, batch, planned)
-        physical = host_array(io.write_index_storage[self.group_index, :planned.size])
+        physical = self.host_view(io.write_index_storage)[self.group_index, :planned.size]
         written = self.to_slots(physical)
         written[(planned == 0) & (physical == self.allocator.write_trash_index)] = 0
         return written

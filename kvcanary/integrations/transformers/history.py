@@ -79,7 +79,11 @@ class AllocatorHistory:
         """Compare the allocator with the last step. ``tokens_of(request_id)``: the request's
         token ids (prompt + generated), or None when the engine no longer knows it."""
         a = self.allocator
-        tables = {rid: tuple(map(int, blocks)) for rid, blocks in a.block_table.items()}
+        last = self.tables
+        tables = {rid: tuple(blocks) for rid, blocks in a.block_table.items()}
+        for rid, blocks in tables.items():
+            if blocks != last.get(rid):     # a new or changed table: its blocks as ints
+                tables[rid] = tuple(map(int, blocks))
         holders = _Holders(tables)
         hashes = a.ledger.block_to_hash
         fresh = defaultdict(list)   # block -> requests the pool gave it to this step
@@ -108,8 +112,9 @@ class AllocatorHistory:
                 else:
                     got[b] = (step, "allocated")
                     fresh[b].append(rid)
-        free = set(chain.from_iterable(a.pool._free_blocks[a.index].trees.values()))
-        for b in sorted(free & set(chain.from_iterable(tables.values()))):
+        held = set(chain.from_iterable(tables.values()))
+        free = chain.from_iterable(a.pool._free_blocks[a.index].trees.values())
+        for b in sorted(held.intersection(free)):
             self._note(b, step, "freed", holders.of(b))
         for b, given in fresh.items():
             before = [rid for rid in holders.of(b) if rid not in given]

@@ -15,7 +15,8 @@ records, offloading carries them, and the last step is kept for the dump.
 from __future__ import annotations
 
 import contextlib
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -58,8 +59,18 @@ class _Request:
         self.token_cache = TokenCache()
 
 
+# Physical row indices a slot table covers (8 bytes each: at most 16 MiB; a cache row is at
+# least 16 bytes of KV, so the table is at most half the cache, usually a few percent).
+MAX_SLOT_TABLE = 1 << 21
+
 _UID = attrgetter("uid")
 _SERIAL = attrgetter("serial")
+_LENGTH = attrgetter("length")
+_RESTORED = attrgetter("restored")
+_STATE = attrgetter("state")              # a request record's, or an engine future's
+_REQUEST_ID = attrgetter("request_id")
+_QUERY_LENGTH = attrgetter("query_length")
+_POSITION_OFFSET = attrgetter("position_offset")
 
 
 class Session:
@@ -114,6 +125,8 @@ class Session:
         self.step = None
         self._last = self._last_list = None    # the last checked step (see last)
         self.processor = None     # the batch processor of the last guarded step
+        self._host_views: dict = {}   # id(tensor) -> (tensor, data pointer, numpy view)
+        self._slot_table = None       # see _slot_of_physical
         self.history = AllocatorHistory(allocator)
         self.batch = self.verify_plan = self.write_plan = None
 
@@ -154,15 +167,50 @@ class Session:
 
     # -- index conversions
 
+    def host_view(self, tensor) -> np.ndarray:
+        """One of the engine's index or input tensors as a numpy array: on the CPU a view
+        kept between steps while the engine keeps the same tensor over the same memory (the
+        engine fills static buffers in place), elsewhere a fresh copy to the host."""
+        if self.xp is not np:
+            return host_array(tensor)
+        kept = self._host_views.get(id(tensor))
+        if kept is None or kept[0] is not tensor or kept[1] != tensor.data_ptr():
+            if len(self._host_views) > 16:      # the engine made new tensors: start over
+                self._host_views.clear()
+            kept = self._host_views[id(tensor)] = (tensor, tensor.data_ptr(),
+                                                   host_array(tensor))
+        return kept[2]
+
     def to_slots(self, physical: np.ndarray) -> np.ndarray:
         """Canary slots of the engine's physical row indices (``num_slots``, outside the
         buffer, where an index names no K row of a block)."""
         physical = np.asarray(physical, dtype=np.int64)
-        block, offset = np.divmod(physical, self.stride)
+        lut = self._slot_of_physical()
+        if lut is not None:
+            # A negative index is, as unsigned, past the table: its last entry, num_slots.
+            return lut.take(np.minimum(physical.view(np.uint64), lut.size - 1).view(np.int64))
+        block = physical // self.stride
+        offset = physical - block * self.stride
         slots = block * self.page + offset
-        bad = (physical < 0) | (offset >= self.page) | (block >= self.num_blocks)
+        bad = (block.view(np.uint64) >= self.num_blocks) | (offset >= self.page)
         slots[bad] = self.num_slots
         return slots
+
+    def _slot_of_physical(self) -> np.ndarray | None:
+        """The slot of every physical row index, one more entry (``num_slots``) for any index
+        outside them, built once; None where the table would exceed ``MAX_SLOT_TABLE``
+        entries (the arithmetic then runs on every step's indices)."""
+        if self._slot_table is None:
+            rows = self.num_blocks * self.stride
+            if rows > MAX_SLOT_TABLE:
+                self._slot_table = False
+            else:
+                block, offset = np.divmod(np.arange(rows, dtype=np.int64), self.stride)
+                table = np.full(rows + 1, self.num_slots, dtype=np.int64)
+                table[:rows] = np.where(offset < self.page, block * self.page + offset,
+                                        self.num_slots)
+                self._slot_table = table
+        return self._slot_table if self._slot_table is not False else None
 
     def step_tables(self, blocks: BlockTables, past: np.ndarray, query: np.ndarray,
                     width: int) -> np.ndarray:
@@ -181,10 +229,7 @@ class Session:
     # -- one forward step
 
     def before_step(self, processor) -> None:
-        from transformers.generation.continuous_batching.input_outputs import (
-            ContinuousBatchingIOs,
-        )
-
+        ContinuousBatchingIOs = _batching_ios()
         g = self.guard
         self.processor = processor
         io = processor.inputs_and_outputs
@@ -198,7 +243,7 @@ class Session:
         read_all, row = None, self.group_index
         if not io.use_block_table and io.max_kv_read > 0 and io.true_read_sizes[row] > 0:
             read_all = self.to_slots(
-                host_array(io.read_index_storage[row, :io.true_read_sizes[row]]))
+                self.host_view(io.read_index_storage)[row, :io.true_read_sizes[row]])
         self.batch = batch = self._gather(io.requests_in_batch)
         if read_all is not None and g.plan_from == "read_indices":
             batch.read_from(read_all, *self.read_span(batch.engine_past, batch.query),
@@ -206,31 +251,32 @@ class Session:
         self._plan_and_verify(batch)
 
     def _gather(self, futures) -> StepBatch:
-        """The step's requests as one :class:`StepBatch`; the loop walks the engine's request
-        objects only (kvcanary's record of each, its lengths), the rest is arrays."""
-        requests, recs, query, engine_past = self.requests, [], [], []
-        for future in futures:
-            state = future.state
-            q = int(future.query_length)
-            ep = int(state.position_offset) - q
-            rec = requests.get(state.request_id)
-            if rec is None or rec.state is not state or rec.restored:
-                if rec is None or rec.state is not state:
-                    rec = _Request(state.request_id, state, ep, self.serials,
-                                   self._uid(state.request_id))
-                    self.serials += 1
-                    requests[state.request_id] = rec
-                rec.length, rec.restored = ep, False
-            recs.append(rec)
-            query.append(q)
-            engine_past.append(ep)
-        n = len(recs)
-        query = np.array(query, dtype=np.int64)
-        engine_past = np.array(engine_past, dtype=np.int64)
-        past = np.fromiter((rec.length for rec in recs), dtype=np.int64, count=n)
+        """The step's requests as one :class:`StepBatch`. The engine's request objects are
+        read in C-level passes (``map``); only a request the session has no current record
+        of (new, started over or restored) takes a Python step of its own."""
+        n = len(futures)
+        states = list(map(_STATE, futures))
+        request_ids = list(map(_REQUEST_ID, states))
+        query = np.fromiter(map(_QUERY_LENGTH, futures), dtype=np.int64, count=n)
+        engine_past = np.fromiter(map(_POSITION_OFFSET, states), dtype=np.int64,
+                                  count=n) - query
+        requests = self.requests
+        recs = list(map(requests.get, request_ids))
+        if None in recs or not all(map(is_, map(_STATE, recs), states)) \
+                or any(map(_RESTORED, recs)):
+            for i, ep in enumerate(engine_past.tolist()):
+                rec, state = recs[i], states[i]
+                if rec is None or rec.state is not state or rec.restored:
+                    if rec is None or rec.state is not state:
+                        rec = recs[i] = requests[state.request_id] = _Request(
+                            state.request_id, state, ep, self.serials,
+                            self._uid(state.request_id))
+                        self.serials += 1
+                    rec.length, rec.restored = ep, False
+        past = np.fromiter(map(_LENGTH, recs), dtype=np.int64, count=n)
         width = int((np.maximum(past, engine_past) + query).max()) + 1 if n else 1
-        tables = self.allocator.block_table
-        blocks = BlockTables([tables.get(rec.request_id, ()) for rec in recs])
+        blocks = BlockTables(list(map(self.allocator.block_table.get, request_ids,
+                                      repeat((), n))))
         table = self.step_tables(blocks, past, query, width)
         return StepBatch(recs, query, engine_past, past, table,
                          [rec.token_cache.tokens(rec.state) for rec in recs], blocks)
@@ -310,8 +356,8 @@ class Session:
         expected_positions = batch.past[owners] + batch.entry
         planned = batch.slots_from(batch.past)     # the table's slot of each new token
         written = self.written_slots(io, batch, planned)
-        input_ids = host_array(io.input_ids[:total]).astype(np.int64)
-        positions = host_array(io.position_ids[:total]).astype(np.int64)
+        input_ids = self.host_view(io.input_ids)[:total].astype(np.int64)
+        positions = self.host_view(io.position_ids)[:total].astype(np.int64)
         # A position past the request's tokens has no known token: nothing to compare there.
         expected_tokens = batch.expected_tokens(expected_positions)
         expected_tokens = np.where(expected_tokens < 0, input_ids, expected_tokens)
@@ -386,8 +432,8 @@ class Session:
         (``planned``: the block table's slot of each)."""
         if io.use_block_table:
             return batch.slots_from(batch.engine_past)
-        return self.to_slots(host_array(io.write_index_storage[self.group_index,
-                                                               :planned.size]))
+        return self.to_slots(
+            self.host_view(io.write_index_storage)[self.group_index, :planned.size])
 
     def _uid(self, request_id: str) -> int:
         uid = self.uid_of.get(request_id)
@@ -503,6 +549,22 @@ class Session:
     def dump_arrays(self) -> dict:
         """The last guarded step as ``kvcanary.dump.save``'s arguments (:mod:`.dumps`)."""
         return dumps.dump_arrays(self)
+
+
+def _batching_ios():
+    """transformers' synchronous batching inputs class (imported once, on the first step:
+    an import statement costs microseconds every step)."""
+    global _BATCHING_IOS
+    if _BATCHING_IOS is None:
+        from transformers.generation.continuous_batching.input_outputs import (
+            ContinuousBatchingIOs,
+        )
+
+        _BATCHING_IOS = ContinuousBatchingIOs
+    return _BATCHING_IOS
+
+
+_BATCHING_IOS = None
 
 
 def host_array(tensor) -> np.ndarray:

@@ -27,12 +27,14 @@ class TokenCache:
     generated list, a shorter one, or a last cached token that no longer matches rebuilds it
     from scratch, so the array is always the engine's lists."""
 
-    __slots__ = ("buffer", "initial", "generated", "known_initial", "known_generated")
+    __slots__ = ("buffer", "initial", "generated", "known_initial", "known_generated",
+                 "last_token")
 
     def __init__(self):
         self.buffer = np.zeros(0, dtype=np.int64)
         self.initial = self.generated = None
         self.known_initial = self.known_generated = 0
+        self.last_token = None    # the last generated token converted (a Python int)
 
     def tokens(self, state) -> np.ndarray:
         initial, generated = state.initial_tokens, state.generated_tokens
@@ -40,7 +42,7 @@ class TokenCache:
         known = self.known_generated
         same = (initial is self.initial and generated is self.generated
                 and n_init == self.known_initial and n_gen >= known
-                and (known == 0 or generated[known - 1] == self.buffer[n_init + known - 1]))
+                and (known == 0 or generated[known - 1] == self.last_token))
         if not same:
             self.initial, self.generated = initial, generated
             self.known_initial, known = n_init, 0
@@ -52,7 +54,11 @@ class TokenCache:
                 grown = np.zeros(2 * total, dtype=np.int64)
                 grown[:n_init + known] = self.buffer[:n_init + known]
                 self.buffer = grown
-            self.buffer[n_init + known:total] = generated[known:]
+            if n_gen == known + 1:    # a decode step's one new token
+                self.buffer[total - 1] = generated[known]
+            else:
+                self.buffer[n_init + known:total] = generated[known:]
+            self.last_token = generated[n_gen - 1]
         self.known_generated = n_gen
         return self.buffer[:total]
 
@@ -132,7 +138,7 @@ class StepBatch:
         The engine lists ``count`` indices per request, one request after another, the first
         of them reading position ``first``."""
         offset = np.cumsum(count) - count
-        got = np.clip(read_all.size - offset, 0, count)
+        got = np.minimum(np.maximum(read_all.size - offset, 0), count)
         low = np.maximum(first, self.past - window) if window else first
         high = np.minimum(np.minimum(self.past, self.engine_past), first + got)
         columns = np.arange(self.table.shape[1])
