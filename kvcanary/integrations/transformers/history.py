@@ -81,16 +81,17 @@ class AllocatorHistory:
         a = self.allocator
         last = self.tables
         tables = {rid: tuple(blocks) for rid, blocks in a.block_table.items()}
-        for rid, blocks in tables.items():
-            if blocks != last.get(rid):     # a new or changed table: its blocks as ints
-                tables[rid] = tuple(map(int, blocks))
+        # Only a new or changed table has blocks to look at: every block of a table that is
+        # the same as at the last step was seen then (``got`` holds exactly the requests of
+        # the last step's tables).
+        changed = [rid for rid, blocks in tables.items() if blocks != last.get(rid)]
+        for rid in changed:
+            tables[rid] = tuple(map(int, tables[rid]))
         holders = _Holders(tables)
         hashes = a.ledger.block_to_hash
         fresh = defaultdict(list)   # block -> requests the pool gave it to this step
-        for rid, blocks in tables.items():
-            old = self.tables.get(rid)
-            if old == blocks and rid in self.got:
-                continue            # the same table as the last step: every block was seen
+        for rid in changed:
+            blocks, old = tables[rid], last.get(rid)
             got = self.got.setdefault(rid, {})
             share = self.shares.get(rid) if old is None else None
             for i, b in enumerate(blocks):

@@ -139,8 +139,9 @@ def prune(session, scheduler) -> int:
     """Drop what ``session`` keeps for requests ``scheduler`` no longer holds; compact the
     names table when it holds :data:`_NAMES_SLACK` names more than are referenced. Returns how
     many requests were dropped."""
-    live = scheduler.active_requests.keys() | scheduler.waiting_requests.keys()
-    gone = [rid for rid in session.requests if rid not in live]
+    active, waiting = scheduler.active_requests.keys(), scheduler.waiting_requests.keys()
+    gone = session.requests.keys() - active - waiting      # set operations, in C
+    live = active | waiting if session.saved else ()
     stats = session.guard.stats
     stats["requests_guarded"] = stats.get("requests_guarded", 0) + len(gone)
     for rid in gone:
