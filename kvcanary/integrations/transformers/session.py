@@ -202,13 +202,13 @@ class Session:
         entries (the arithmetic then runs on every step's indices)."""
         if self._slot_table is None:
             rows = self.num_blocks * self.stride
-            if rows > MAX_SLOT_TABLE:
+            if rows > MAX_SLOT_TABLE or self.stride < self.page:    # (the engine's is not)
                 self._slot_table = False
             else:
-                block, offset = np.divmod(np.arange(rows, dtype=np.int64), self.stride)
                 table = np.full(rows + 1, self.num_slots, dtype=np.int64)
-                table[:rows] = np.where(offset < self.page, block * self.page + offset,
-                                        self.num_slots)
+                by_block = table[:rows].reshape(self.num_blocks, self.stride)
+                by_block[:, :self.page] = np.arange(self.num_slots,
+                                                    dtype=np.int64).reshape(-1, self.page)
                 self._slot_table = table
         return self._slot_table if self._slot_table is not False else None
 
