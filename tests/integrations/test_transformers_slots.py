@@ -1,5 +1,5 @@
 """The transformers guard's physical-index-to-slot conversion (integrations/transformers/
-session.py ``to_slots``): the table built once per cache group and the arithmetic used for a
+engineindex.py ``SlotTable``): the table built once per cache group and the arithmetic used for a
 cache too large for the table give the same slot for every index, an index outside the cache
 or past a block's K rows the out-of-buffer marker. numpy only (no torch)."""
 
@@ -8,13 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcanary.integrations.transformers import session as S
+from kvcanary.integrations.transformers import engineindex as S
 
 
 def _session(stride, page, blocks, table=None):
-    s = object.__new__(S.Session)
-    s.stride, s.page, s.num_blocks, s.num_slots = stride, page, blocks, blocks * page
-    s._slot_table = table
+    s = S.SlotTable(stride, page, blocks)
+    s.table = table
     return s
 
 
@@ -36,7 +35,7 @@ def test_table_and_arithmetic_agree_with_the_formula(stride, page, dtype):
     want = _by_formula(physical.astype(np.int64), stride, page, blocks)
     table = _session(stride, page, blocks)
     assert table.to_slots(physical).tolist() == want
-    assert (table._slot_table is not False) == (stride >= page)   # the table was used
+    assert (table.table is not False) == (stride >= page)   # the table was used
     arithmetic = _session(stride, page, blocks, table=False)
     assert arithmetic.to_slots(physical).tolist() == want
 
@@ -45,4 +44,4 @@ def test_a_cache_past_the_table_bound_uses_the_arithmetic(monkeypatch):
     monkeypatch.setattr(S, "MAX_SLOT_TABLE", 10)
     s = _session(64, 16, 7)
     assert s.to_slots(np.array([0, 17, 64, 500])).tolist() == [0, 112, 16, 112]
-    assert s._slot_table is False
+    assert s.table is False

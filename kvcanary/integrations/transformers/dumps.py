@@ -10,6 +10,13 @@ from ... import RealKvHashMode
 from ...model.types import to_host
 
 
+def last_requests(batch, lengths) -> list:
+    """A checked step's requests as ``(request id, its blocks, its length, its token ids)``
+    (``batch``: the step's :class:`~.stepbatch.StepBatch`, ``lengths`` each one's length)."""
+    return [(rec.request_id, blocks, length, tokens) for rec, blocks, length, tokens in
+            zip(batch.recs, batch.blocks.lists(), lengths.tolist(), batch.token_views)]
+
+
 def dump_arrays(session) -> dict:
     """The arrays of ``session``'s last guarded step, as ``kvcanary.dump.save`` takes them."""
     last = session.last

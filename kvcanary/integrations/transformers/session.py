@@ -39,29 +39,14 @@ from ..findings import (
 )
 from ...format.errors import GuardError
 from . import dumps
+from .engineindex import HostViews, SlotTable, batching_ios
 from .history import AllocatorHistory
 from .ownwrites import OwnWrites
-from .stepbatch import BlockTables, StepBatch, TokenCache
+from .stepbatch import BlockTables, RequestRecord, StepBatch
 
 if TYPE_CHECKING:    # the guard module imports this one
     from . import Guard
 
-
-class _Request:
-    # serial: this record's key in the session's log of own writes (never reused); uid: the
-    # request's row in the names table behind the writer column (renumbered on compaction)
-    __slots__ = ("request_id", "state", "length", "serial", "uid", "restored", "token_cache")
-
-    def __init__(self, request_id, state, length, serial, uid):
-        self.request_id, self.state, self.length = request_id, state, length
-        self.serial, self.uid = serial, uid
-        self.restored = False
-        self.token_cache = TokenCache()
-
-
-# Physical row indices a slot table covers (8 bytes each: at most 16 MiB; a cache row is at
-# least 16 bytes of KV, so the table is at most half the cache, usually a few percent).
-MAX_SLOT_TABLE = 1 << 21
 
 _UID = attrgetter("uid")
 _SERIAL = attrgetter("serial")
@@ -125,8 +110,8 @@ class Session:
         self.step = None
         self._last = self._last_list = None    # the last checked step (see last)
         self.processor = None     # the batch processor of the last guarded step
-        self._host_views: dict = {}   # id(tensor) -> (tensor, data pointer, numpy view)
-        self._slot_table = None       # see _slot_of_physical
+        self.host_views = HostViews(on_host=self.xp is np)
+        self.slot_table = SlotTable(self.stride, self.page, self.num_blocks)
         self.history = AllocatorHistory(allocator)
         self.batch = self.verify_plan = self.write_plan = None
 
@@ -168,49 +153,13 @@ class Session:
     # -- index conversions
 
     def host_view(self, tensor) -> np.ndarray:
-        """One of the engine's index or input tensors as a numpy array: on the CPU a view
-        kept between steps while the engine keeps the same tensor over the same memory (the
-        engine fills static buffers in place), elsewhere a fresh copy to the host."""
-        if self.xp is not np:
-            return host_array(tensor)
-        kept = self._host_views.get(id(tensor))
-        if kept is None or kept[0] is not tensor or kept[1] != tensor.data_ptr():
-            if len(self._host_views) > 16:      # the engine made new tensors: start over
-                self._host_views.clear()
-            kept = self._host_views[id(tensor)] = (tensor, tensor.data_ptr(),
-                                                   host_array(tensor))
-        return kept[2]
+        """One of the engine's index or input tensors as a numpy array (:class:`HostViews`)."""
+        return self.host_views.of(tensor)
 
     def to_slots(self, physical: np.ndarray) -> np.ndarray:
         """Canary slots of the engine's physical row indices (``num_slots``, outside the
         buffer, where an index names no K row of a block)."""
-        physical = np.asarray(physical, dtype=np.int64)
-        lut = self._slot_of_physical()
-        if lut is not None:
-            # A negative index is, as unsigned, past the table: its last entry, num_slots.
-            return lut.take(np.minimum(physical.view(np.uint64), lut.size - 1).view(np.int64))
-        block = physical // self.stride
-        offset = physical - block * self.stride
-        slots = block * self.page + offset
-        bad = (block.view(np.uint64) >= self.num_blocks) | (offset >= self.page)
-        slots[bad] = self.num_slots
-        return slots
-
-    def _slot_of_physical(self) -> np.ndarray | None:
-        """The slot of every physical row index, one more entry (``num_slots``) for any index
-        outside them, built once; None where the table would exceed ``MAX_SLOT_TABLE``
-        entries (the arithmetic then runs on every step's indices)."""
-        if self._slot_table is None:
-            rows = self.num_blocks * self.stride
-            if rows > MAX_SLOT_TABLE or self.stride < self.page:    # (the engine's is not)
-                self._slot_table = False
-            else:
-                table = np.full(rows + 1, self.num_slots, dtype=np.int64)
-                by_block = table[:rows].reshape(self.num_blocks, self.stride)
-                by_block[:, :self.page] = np.arange(self.num_slots,
-                                                    dtype=np.int64).reshape(-1, self.page)
-                self._slot_table = table
-        return self._slot_table if self._slot_table is not False else None
+        return self.slot_table.to_slots(physical)
 
     def step_tables(self, blocks: BlockTables, past: np.ndarray, query: np.ndarray,
                     width: int) -> np.ndarray:
@@ -229,7 +178,7 @@ class Session:
     # -- one forward step
 
     def before_step(self, processor) -> None:
-        ContinuousBatchingIOs = _batching_ios()
+        ContinuousBatchingIOs = batching_ios()
         g = self.guard
         self.processor = processor
         io = processor.inputs_and_outputs
@@ -268,7 +217,7 @@ class Session:
                 rec, state = recs[i], states[i]
                 if rec is None or rec.state is not state or rec.restored:
                     if rec is None or rec.state is not state:
-                        rec = recs[i] = requests[state.request_id] = _Request(
+                        rec = recs[i] = requests[state.request_id] = RequestRecord(
                             state.request_id, state, ep, self.serials,
                             self._uid(state.request_id))
                         self.serials += 1
@@ -421,10 +370,7 @@ class Session:
         if self._last is None:
             return None
         if self._last_list is None:
-            batch, lengths = self._last
-            self._last_list = [
-                (rec.request_id, blocks, length, tokens) for rec, blocks, length, tokens in
-                zip(batch.recs, batch.blocks.lists(), lengths.tolist(), batch.token_views)]
+            self._last_list = dumps.last_requests(*self._last)
         return self._last_list
 
     def written_slots(self, io, batch: StepBatch, planned: np.ndarray) -> np.ndarray:
@@ -549,25 +495,3 @@ class Session:
     def dump_arrays(self) -> dict:
         """The last guarded step as ``kvcanary.dump.save``'s arguments (:mod:`.dumps`)."""
         return dumps.dump_arrays(self)
-
-
-def _batching_ios():
-    """transformers' synchronous batching inputs class (imported once, on the first step:
-    an import statement costs microseconds every step)."""
-    global _BATCHING_IOS
-    if _BATCHING_IOS is None:
-        from transformers.generation.continuous_batching.input_outputs import (
-            ContinuousBatchingIOs,
-        )
-
-        _BATCHING_IOS = ContinuousBatchingIOs
-    return _BATCHING_IOS
-
-
-_BATCHING_IOS = None
-
-
-def host_array(tensor) -> np.ndarray:
-    """A torch tensor as a numpy array (a view on the CPU)."""
-    return tensor.detach().cpu().numpy()
-

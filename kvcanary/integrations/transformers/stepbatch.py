@@ -63,6 +63,21 @@ class TokenCache:
         return self.buffer[:total]
 
 
+class RequestRecord:
+    """kvcanary's record of one request it follows: ``length`` its count of the request's
+    cached tokens, ``serial`` its key in the session's log of own writes (never reused),
+    ``uid`` the request's row in the names table behind the writer column (renumbered when
+    that table is compacted), ``token_cache`` its token ids."""
+
+    __slots__ = ("request_id", "state", "length", "serial", "uid", "restored", "token_cache")
+
+    def __init__(self, request_id, state, length, serial, uid):
+        self.request_id, self.state, self.length = request_id, state, length
+        self.serial, self.uid = serial, uid
+        self.restored = False
+        self.token_cache = TokenCache()
+
+
 class BlockTables:
     """The block tables of a step's requests as one flat array: request ``i``'s blocks are
     ``flat[start[i]:start[i] + count[i]]`` (a copy, taken when the step is gathered)."""
