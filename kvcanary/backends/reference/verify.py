@@ -39,8 +39,7 @@ def load_records(fields: np.ndarray, slots: np.ndarray) -> np.ndarray:
     entries whose slot was out of range)."""
     if fields.shape[0] == 0:  # no slot is in range: every entry is masked
         return np.zeros((slots.shape[0], fields.shape[1]), dtype=fields.dtype)
-    clamped = np.clip(slots, 0, fields.shape[0] - 1)
-    return np.take(fields, clamped, axis=0)
+    return fields.take(slots, axis=0, mode="clip")   # clamps into [0, slots): no copy of them
 
 
 def expected_chain(fields: np.ndarray, prev: np.ndarray, stored_prev_hash: np.ndarray) -> np.ndarray:

@@ -183,7 +183,7 @@ class _Batch:
                 kind, slot[hit], position[hit], token[hit], token[kept], prev_hash[hit],
                 position[kept], _CONFLICT))
 
-        stored = np.unique(keeper)
+        stored = inside[keeper == inside]     # each slot's last write, in entry order
         _store(fields, slot[stored], token[stored], position[stored], prev_hash[stored],
                real_kv_hash(self.context.real_kv_sources, self.context.real_kv_hash_mode,
                             slot[stored]))
@@ -229,10 +229,12 @@ def _chain(running: np.ndarray, request_of: np.ndarray, token, position) -> np.n
     still running at step k are a prefix of the ranks and step k is one contiguous slice:
     one in-place mix3 per step over every running request."""
     num_entries = request_of.size
-    prev_hash = np.empty(num_entries, dtype=np.uint64)
     if num_entries == 0:
-        return prev_hash
+        return np.empty(0, dtype=np.uint64)
     lengths = np.bincount(request_of, minlength=running.size)
+    if int(lengths.max()) == 1:    # a decode step: each entry is its request's first
+        return running[request_of]
+    prev_hash = np.empty(num_entries, dtype=np.uint64)
     rank = np.argsort(-lengths, kind="stable")
     lane_of_request = np.empty_like(rank)
     lane_of_request[rank] = np.arange(rank.size)
@@ -243,10 +245,12 @@ def _chain(running: np.ndarray, request_of: np.ndarray, token, position) -> np.n
     bounds = np.concatenate(([0], np.cumsum(np.bincount(step))))
     hashes = np.empty(num_entries, dtype=np.uint64)
     acc = running[rank].copy()
-    for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+    steps = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+    for index, (begin, end) in enumerate(steps):
         lanes = acc[: end - begin]
         hashes[begin:end] = lanes
-        mix3_inplace(lanes, tokens[begin:end], positions[begin:end])
+        if index + 1 < len(steps):   # the last step's advance would be read by no entry
+            mix3_inplace(lanes, tokens[begin:end], positions[begin:end])
     prev_hash[order] = hashes
     return prev_hash
 
@@ -257,10 +261,18 @@ def _last_writer(slot: np.ndarray) -> np.ndarray:
     atomicMax claim keeps."""
     if slot.size == 0:
         return np.zeros(0, dtype=np.int64)
-    _, group = np.unique(slot, return_inverse=True)
-    last = np.full(int(group.max()) + 1, -1, dtype=np.int64)
-    np.maximum.at(last, group, np.arange(slot.size))
-    return last[group]
+    # A stable sort keeps a slot's writes in launch order: the last of each run of equal
+    # slots is its last writer (one sort, where np.unique and np.maximum.at took two passes
+    # and a scatter).
+    order = np.argsort(slot, kind="stable")
+    ordered = slot[order]
+    run_end = np.ones(slot.size, dtype=bool)
+    run_end[:-1] = ordered[1:] != ordered[:-1]
+    ends = np.flatnonzero(run_end)
+    run_of = np.searchsorted(ends, np.arange(slot.size))
+    keeper = np.empty(slot.size, dtype=np.int64)
+    keeper[order] = order[ends][run_of]
+    return keeper
 
 
 def _store(fields, slot, token, position, prev_hash, real_kv) -> None:
