@@ -147,15 +147,9 @@ def verify_entries(table, block_size, lut, row, start, verify_len, total, pool, 
     table_row = row[batch_row]
     if block_size == 1:
         slot = table_slots(table, table_row, position)
-        prev = np.empty_like(slot)
-        prev[1:] = slot[:-1]     # an entry after its row's first: the slot of the one before
-        heads = offsets[verify_len > 0]
-        first = start[verify_len > 0]
-        head_prev = np.full(heads.shape, -1, dtype=np.int64)
-        has_prev = first > 0
-        head_prev[has_prev] = table_slots(table, row[verify_len > 0][has_prev],
-                                          first[has_prev] - 1)
-        prev[heads] = head_prev
+        prev = np.full(total, -1, dtype=np.int64)
+        has_prev = position > 0
+        prev[has_prev] = table_slots(table, table_row[has_prev], position[has_prev] - 1)
     else:
         slot, prev = paged_entries(table, block_size, row, start, verify_len, position)
     check_translatable(lut, slot, prev)  # an entry's slot, then its predecessor
