@@ -1,8 +1,10 @@
 """Cost of guarding a server: the same load against transformers' own server unguarded and
 against ``kvcanary serve`` with sources k0 and kv-all, in one run, rounds alternating.
 
-Three servers run side by side on loopback (a tiny random Llama, CPU, continuous batching,
-block size 16, 64 blocks); each round sends the same ``--requests`` completions
+Three servers run side by side on loopback (a random Llama, CPU, continuous batching, block
+size 16, 64 blocks by default; ``--size`` 2x64 by default, a tiny model whose step is nearly
+all Python, the guard's worst case; 12x768, GPT-2 small's shape, the smallest model anyone
+serves); each round sends the same ``--requests`` completions
 (``--concurrency`` at a time, ``--max-tokens`` each, prompts of 8 to 40 words, a third of
 them sharing a prefix) to each server in turn, through the ``openai`` client. Per server:
 generated tokens per second of wall time and the p50/p99 latency of a request, each the
@@ -12,7 +14,8 @@ throughput at least 97% of unguarded, p99 at most 1.05x.
 Needs kvcanary[serve].
 
 Usage: python benchmarks/bench_serve.py [--quick] [--rounds N] [--requests N]
-       [--concurrency N] [--max-tokens N] [--model DIR] [--json PATH]"""
+       [--concurrency N] [--max-tokens N] [--size LAYERSxHIDDEN] [--num-blocks N]
+       [--model DIR] [--json PATH]"""
 
 from __future__ import annotations
 
@@ -79,20 +82,30 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=192)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--model", default=None, help="a model directory (default: a tiny "
-                        "random Llama built here)")
+    parser.add_argument("--size", default="2x64", help="layers x hidden of the random Llama "
+                        "built here (heads of 64 wide above 64 wide)")
+    parser.add_argument("--num-blocks", type=int, default=64, help="KV blocks of 16 tokens")
+    parser.add_argument("--model", default=None, help="a model directory instead of a "
+                        "random Llama built here")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.requests = 2, 64
     work = tempfile.mkdtemp(prefix="kvcanary-bench-serve-")
-    model = args.model or build_tiny_model(os.path.join(work, "model"))
+    layers, hidden = (int(part) for part in args.size.lower().split("x"))
+    heads = 4 if hidden <= 64 else hidden // 64
+    model = args.model or build_tiny_model(os.path.join(work, "model"), layers=layers,
+                                           hidden=hidden, heads=heads,
+                                           kv_heads=2 if hidden <= 64 else heads)
+    blocks = ("--cb-num-blocks", str(args.num_blocks))
     servers = {}
     try:
         for name, sources in SETUPS:
             log = os.path.join(work, f"{name}.log")
-            servers[name] = (Server(model, log_path=log, unguarded=True) if sources is None
-                             else Server(model, "--sources", sources, log_path=log))
+            servers[name] = (
+                Server(model, log_path=log, unguarded=True, serve_options=blocks)
+                if sources is None else
+                Server(model, "--sources", sources, log_path=log, serve_options=blocks))
         texts = prompts(args.requests)
         for name, server in servers.items():          # warm-up: one small round each
             asyncio.run(one_round(server.url, model, texts[:16], args.concurrency, 4))
@@ -111,7 +124,8 @@ def main(argv=None) -> int:
     table = {name: {key: statistics.median(r[key] for r in runs)
                     for key in ("tokens_per_s", "p50", "p99")} for name, runs in rounds.items()}
     base = table["unguarded"]
-    print(f"{args.rounds} rounds x {args.requests} requests, concurrency {args.concurrency}, "
+    print(f"Llama {args.size if not args.model else args.model}, {args.num_blocks} blocks; "
+          f"{args.rounds} rounds x {args.requests} requests, concurrency {args.concurrency}, "
           f"max_tokens {args.max_tokens}")
     print("| server | tokens/s | vs unguarded | p50 (s) | p99 (s) | p99 vs unguarded |")
     print("| --- | --- | --- | --- | --- | --- |")

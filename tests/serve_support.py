@@ -22,8 +22,10 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "a canary in the cache"
           "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ"] * 20
 
 
-def build_tiny_model(path, *, layers=2, hidden=64, vocab=384, seed=0) -> str:
-    """Write a tiny Llama with its tokenizer into ``path``; returns the path."""
+def build_tiny_model(path, *, layers=2, hidden=64, heads=4, kv_heads=2, vocab=384,
+                     seed=0) -> str:
+    """Write a random Llama (tiny by default) with its tokenizer into ``path``; returns the
+    path."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -43,7 +45,8 @@ def build_tiny_model(path, *, layers=2, hidden=64, vocab=384, seed=0) -> str:
     fast.save_pretrained(path)
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads,
                          max_position_embeddings=2048, pad_token_id=fast.pad_token_id,
                          bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
     model = LlamaForCausalLM(config)
