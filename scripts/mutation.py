@@ -120,7 +120,7 @@ EQUIVALENT: dict[str, str] = {
         "an extend of 0 gives a write length of 0 on either branch",
     "kernels/kvc_verify.cu:107:13:<= -> <":
         "with no active entry the loop runs no iteration and the counter adds 0",
-    "kvcanary/backends/reference/verify.py:87:16:slot < 0 -> slot <= 0":
+    "kvcanary/backends/reference/verify.py:86:16:slot < 0 -> slot <= 0":
         "slot 0 is skipped after the range rule: its bits are cleared and it is never hashed",
     "kvcanary/backends/reference/write.py:69:7:active <= 0 -> active < 0":
         "with no active request every array below is empty: nothing is written",

@@ -146,10 +146,18 @@ def _remap(d, io, requests) -> bool:
     return False
 
 
+def _tokens_left(future) -> int:
+    """How many more tokens the request may generate (a large number without a limit)."""
+    limit = getattr(future.state, "max_new_tokens", None)
+    return 1 << 30 if limit is None else limit - len(future.state.generated_tokens)
+
+
 def _free_held(d, io, requests) -> bool:
     a = _allocator(io)
     page = a.tokens_per_page
-    for f in _decoding(io, requests, page + 1):
+    # The request that will hold the block longest: the pool has the most steps to hand the
+    # block to someone else before the holder reads it for the last time.
+    for f in sorted(_decoding(io, requests, page + 1), key=_tokens_left, reverse=True):
         rid = f.state.request_id
         full = f.state.position_offset // page      # blocks [0, full) are full
         block = int(a.block_table[rid][full - 1])
