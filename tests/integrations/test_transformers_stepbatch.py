@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcanary.integrations.transformers.stepbatch import StepBatch, TokenCache, slot_grid
+from kvcanary.integrations.transformers.stepbatch import BlockTables, StepBatch, TokenCache
 
 PAGE, MISSING = 4, 10_000
 
@@ -39,14 +39,14 @@ def test_slot_grid_is_each_requests_table(window):
     lists[2] = tuple(lists[2])                     # the engine's lists or tuples alike
     width = 31
     positions = np.arange(width) % window if window else np.arange(width)
-    grid = slot_grid(lists, positions // PAGE, positions % PAGE, PAGE, MISSING)
+    grid = BlockTables(lists).grid(positions // PAGE, positions % PAGE, PAGE, MISSING)
     assert grid.shape == (len(lists), width) and grid.dtype == np.int64
     for row, blocks in zip(grid.tolist(), lists):
         assert row == _one_table(list(blocks), width, window)
 
 
 def test_slot_grid_without_any_block():
-    grid = slot_grid([(), ()], np.arange(3), np.arange(3), PAGE, MISSING)
+    grid = BlockTables([(), ()]).grid(np.arange(3), np.arange(3), PAGE, MISSING)
     assert grid.tolist() == [[MISSING] * 3] * 2
 
 

@@ -70,17 +70,20 @@ class HostViews:
 
     def __init__(self, on_host: bool):
         self.on_host = on_host
-        self.kept: dict = {}    # id(tensor) -> (tensor, data pointer, numpy view)
+        self.kept: dict = {}    # id(tensor) -> (tensor, data pointer, shape, numpy view)
 
     def of(self, tensor) -> np.ndarray:
         if not self.on_host:
             return host_array(tensor)
         kept = self.kept.get(id(tensor))
-        if kept is None or kept[0] is not tensor or kept[1] != tensor.data_ptr():
+        # A tensor resized in place may keep its pointer: the view must keep its shape too.
+        if kept is None or kept[0] is not tensor or kept[1] != tensor.data_ptr() \
+                or kept[2] != tensor.shape:
             if len(self.kept) >= self.KEPT:
                 self.kept.clear()
-            kept = self.kept[id(tensor)] = (tensor, tensor.data_ptr(), host_array(tensor))
-        return kept[2]
+            kept = self.kept[id(tensor)] = (tensor, tensor.data_ptr(), tensor.shape,
+                                            host_array(tensor))
+        return kept[3]
 
 
 def host_array(tensor) -> np.ndarray:

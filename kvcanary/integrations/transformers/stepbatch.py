@@ -6,7 +6,7 @@ a slice of the read indices, a read-index comparison, the expected tokens and po
 its new tokens. With up to a few dozen requests in a step and a small model, that loop cost
 more than the engine's own step. :class:`StepBatch` is built once per step and cache group:
 the only loop left walks the engine's request objects (their lengths and ids); the block
-tables become one ``[requests, positions]`` slot grid (:func:`slot_grid`), the tokens one flat
+tables become one ``[requests, positions]`` slot grid (:meth:`BlockTables.grid`), the tokens one flat
 array, and everything the plan, the verify and the write need is computed from those with a
 few array operations for the whole batch.
 
@@ -106,12 +106,6 @@ class BlockTables:
         flat = self.flat.tolist()
         return [flat[start:start + count]
                 for start, count in zip(self.start.tolist(), self.count.tolist())]
-
-
-def slot_grid(block_lists, block_index: np.ndarray, offset: np.ndarray, page: int,
-              missing: int) -> np.ndarray:
-    """:meth:`BlockTables.grid` of ``block_lists`` (per request, its list of blocks)."""
-    return BlockTables(block_lists).grid(block_index, offset, page, missing)
 
 
 class StepBatch:
