@@ -5,6 +5,9 @@ the same bytes, measured in the same run.
           with 2 real-KV sources of 256 bytes/token
           baseline: gather the canary rows of every entry and of its predecessor by slot
           index (plus, for ALL, gather every entry's real-KV bytes from each source)
+  verify  64 requests x 32-token prefixes, mode ALL with 1 source of 3072 bytes/token (a
+          decode step of the transformers guard's k0 at GPT-2 small's width: the real-KV
+          fold of 6 MiB), same baseline
   write   prefill 8 x 4096 tokens and decode 256 x 1 token (mode NONE)
           baseline: scatter the same 32-byte records into the buffer by slot index
 
@@ -162,6 +165,8 @@ def main(argv=None) -> int:
     results = [
         bench_verify(reqs, length, repeats),
         bench_verify(reqs, length, repeats, sources_count=2, bytes_per_token=256),
+        bench_verify(8 if args.quick else 64, 32, repeats, sources_count=1,
+                     bytes_per_token=3072),
         bench_write(prefill_reqs, prefill_len, repeats, prefix=0),
         bench_write(decode_reqs, 1, repeats, prefix=decode_prefix),
     ]

@@ -1,7 +1,8 @@
 """The compiled real-KV fold (numba) gives the numpy fold's hashes, byte for byte: on the
 transformers guard's layout (one cache tensor, each layer's K and V pages side by side) in
 every dtype the guard handles, on strided and paged sources of mixed widths, both hash
-modes, slot counts on both sides of the kernel's lane width; and it steps aside (the numpy
+modes, slot counts on both sides of the kernel's vector and block widths, word counts with
+and without a tail past its eight-word chunks; and it steps aside (the numpy
 fold runs) where it cannot read a source in place."""
 
 import numpy as np
@@ -15,9 +16,9 @@ from kvcanary.format import hashing
 from oracle import real_kv
 
 ALL, PARTIAL = kc.RealKvHashMode.ALL, kc.RealKvHashMode.PARTIAL
-# The kernel's lane width (realkv_kernel.LANES, a module that imports numba: the suite's
-# collection does not); test_the_lane_width_is_the_kernels checks the two agree.
-LANES = 16
+# The kernel's slots per vector and per pass (realkv_kernel.LANES and BLOCK, a module that
+# imports numba: the suite's collection does not); test_the_widths_are_the_kernels checks.
+LANES, BLOCK = 8, 32
 
 
 @pytest.fixture(autouse=True)
@@ -26,10 +27,10 @@ def _needs_numba():
     pytest.importorskip("numba", reason="the compiled fold needs numba: pip install 'kvcanary[fast]'")
 
 
-def test_the_lane_width_is_the_kernels():
+def test_the_widths_are_the_kernels():
     from kvcanary.backends.reference import realkv_kernel
 
-    assert realkv_kernel.LANES == LANES
+    assert (realkv_kernel.LANES, realkv_kernel.BLOCK) == (LANES, BLOCK)
 
 
 def _both(monkeypatch, sources, mode, slots):
@@ -59,7 +60,8 @@ def _guard_layout(dtype, layers=3, heads=2, head_dim=8, page=4, blocks=5, seed=0
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("count", [1, LANES - 1, LANES, 2 * LANES + 3])
+@pytest.mark.parametrize("count", [1, LANES - 1, LANES + 1, BLOCK, BLOCK + LANES + 3,
+                                   2 * BLOCK + 1])
 def test_guard_layout_hashes_as_the_numpy_fold(monkeypatch, dtype, count):
     torch = pytest.importorskip("torch", reason=skip_reasons.transformers_extra("torch"))
     sources, num_slots = _guard_layout(getattr(torch, dtype), blocks=12)
@@ -95,6 +97,21 @@ def test_strided_paged_sources_of_mixed_widths(monkeypatch, page_size):
     for mode in (ALL, PARTIAL):
         compiled, reference = _both(monkeypatch, sources, mode, slots)
         assert compiled.tobytes() == reference.tobytes()
+
+
+@pytest.mark.parametrize("token_bytes", [16, 64, 80, 144, 528])
+def test_every_word_count_and_slot_count(token_bytes):
+    """Words per slot below, at and past the kernel's eight-word chunk with every tail (2, 8,
+    10, 18, 66 words), slot counts from 1 to past two blocks, slots repeated and reversed."""
+    sources = make_sources(1, 3 * BLOCK, bytes_per_token=token_bytes, page_size=4, row_gap=16,
+                           fill="random", seed=token_bytes)
+    rng = np.random.default_rng(token_bytes)
+    for count in (1, 2, LANES, BLOCK - 1, BLOCK + 1, 2 * BLOCK + LANES + 5, 3 * BLOCK):
+        slots = rng.integers(0, 3 * BLOCK, size=count).astype(np.int64)[::-1]
+        compiled = realkv_compiled.fold_source(sources[0], slots, token_bytes)
+        assert compiled is not None
+        reference = realkv.fold_source(sources[0], slots, token_bytes)
+        assert compiled.tobytes() == reference.tobytes(), (token_bytes, count)
 
 
 def test_a_slot_past_a_source_hashes_to_zero_and_is_never_read(monkeypatch):

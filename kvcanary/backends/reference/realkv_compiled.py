@@ -3,10 +3,10 @@
 Same words, same order, same result: each slot's first ``num_bytes`` bytes folded as
 little-endian 8-byte words, ``acc = splitmix64(acc ^ w)`` from ``acc = 0``. What differs is
 the work: the words are read in place from the source's rows (no gathered copy, no
-transpose) and each word costs its nine integer operations once, in registers, with
-``realkv_kernel.LANES`` slots folded side by side so their dependency chains overlap. The numpy fold of
-:mod:`.realkv` stays the statement of the rule and the path without numba; a test checks
-both give the same hashes.
+transpose in memory) and each word costs its nine integer operations once, in vector
+registers, ``realkv_kernel.LANES`` slots to a vector and ``realkv_kernel.BLOCK`` to a pass
+(see that module). The numpy fold of :mod:`.realkv` stays the statement of the rule and the
+path without numba; a test checks both give the same hashes.
 
   fold_source(src, s, n)  uint64 per slot, or None where this path does not apply (numba
                           missing or failing to load, ``ENABLED`` off, a big-endian host,
