@@ -156,3 +156,34 @@ def test_verify_catches_one_flipped_bit_through_the_compiled_fold():
     kc.verify(ctx, plan)
     assert [(row[1], row[7]) for row in ring_rows(ctx)] == [
         (17, int(kc.FailReason.VERIFY_REAL_KV_HASH_MISMATCH))]
+
+
+def test_the_same_hashes_compiled_for_a_cpu_without_wide_vectors(tmp_path):
+    """numba compiles for the host's CPU; the kernel's vector code must give the same hashes
+    where LLVM lowers it to narrower instructions (numba's generic target: SSE2 on x86-64),
+    not only with AVX-512's 64-bit multiply."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np\n"
+        "from numba.core import config\n"
+        "import kvcanary as kc\n"
+        "from kvcanary.backends.reference import realkv, realkv_compiled\n"
+        "assert config.CPU_NAME == 'generic', config.CPU_NAME\n"
+        "rng = np.random.default_rng(0)\n"
+        "for token_bytes in (16, 80, 3072):\n"
+        "    rows = rng.integers(0, 256, size=(40, 4 * token_bytes + 16), dtype=np.uint8)\n"
+        "    source = kc.RealKvSource(rows, page_size=4, num_bytes_per_token=token_bytes,\n"
+        "                             read_bytes=token_bytes)\n"
+        "    slots = rng.integers(0, 160, size=77).astype(np.int64)\n"
+        "    got = realkv_compiled.fold_source(source, slots, token_bytes)\n"
+        "    want = realkv.fold_source(source, slots, token_bytes)\n"
+        "    assert got is not None and got.tobytes() == want.tobytes(), token_bytes\n"
+        "print('same')\n")
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES="",
+               NUMBA_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-2000:]
