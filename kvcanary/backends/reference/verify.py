@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...format.consts import EXPECTED_TOKEN_UNKNOWN, TOKEN_TO_KV_SLOT_PADDING
+from ...format.consts import EXPECTED_TOKEN_UNKNOWN, TOKEN_TO_KV_SLOT_PADDING, VIOLATION_FIELDS
 from ...format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN, VERIFY_TOKEN_MISMATCH as _TOKEN,
                             VERIFY_POSITION_MISMATCH as _POSITION,
                             VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
                             SLOT_OUT_OF_RANGE as _OUT_OF_RANGE)
 from ...format.hashing import CHAIN_HEAD, link_inplace
 from ...format.rules import canary_fields, violation_rows
-from .realkv import outside_sources, real_kv_hash
+from .realkv import hash_inside, outside_sources
 from .ring import commit_rows
 
 
@@ -93,9 +93,10 @@ def entry_rows(context, slot, expected_position, prev, expected_token) -> tuple:
     source_out = outside_sources(context.real_kv_sources, context.real_kv_hash_mode, slot)
     if context.hashing:
         real_kv = np.zeros(active, dtype=np.uint64)
-        hashed = np.flatnonzero(~slot_out & (slot != TOKEN_TO_KV_SLOT_PADDING))
-        real_kv[hashed] = real_kv_hash(context.real_kv_sources, context.real_kv_hash_mode,
-                                       slot[hashed])
+        # A slot outside a source hashes to 0 unread, as real_kv_hash has it.
+        hashed = np.flatnonzero(~(slot_out | source_out) & (slot != TOKEN_TO_KV_SLOT_PADDING))
+        real_kv[hashed] = hash_inside(context.real_kv_sources, context.real_kv_hash_mode,
+                                      slot[hashed])
         bits[(stored_real_kv != real_kv.view(np.int64)) & ~source_out] |= _REAL_KV
     else:
         bits[stored_real_kv != 0] |= _REAL_KV
@@ -104,6 +105,8 @@ def entry_rows(context, slot, expected_position, prev, expected_token) -> tuple:
     bits[slot == TOKEN_TO_KV_SLOT_PADDING] = 0  # unfilled: skipped
 
     failed = np.flatnonzero(bits)
+    if failed.size == 0:    # most launches: no row to build
+        return failed, np.zeros((0, VIOLATION_FIELDS), dtype=np.int64)
     out = slot_out[failed]
     return failed, violation_rows(
         context.kernel_kind,
