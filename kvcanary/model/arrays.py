@@ -167,8 +167,7 @@ def data_address(x) -> int:
     """Address of the first element (numpy or cupy); 0 for ``None`` (a launch's null
     pointer). The one place an array's address is read: the checks and the launcher."""
     if type(x) is np.ndarray and _struct_data is not None:
-        capsule = x.__array_struct__    # held while its struct is read: freed with it
-        return _struct_data(_capsule_pointer(capsule, None) + _DATA_OFFSET).value or 0
+        return _numpy_address(x)
     if x is None:
         return 0
     return int(x.data.ptr) if is_cupy_array(x) else int(x.__array_interface__["data"][0])
@@ -209,6 +208,13 @@ def _struct_reader():
 _capsule_pointer, _struct_data = _struct_reader()
 
 
+def _numpy_address(x: np.ndarray) -> int:
+    """The data address of a numpy array, from its C array interface (``_struct_reader``
+    found it readable)."""
+    capsule = x.__array_struct__    # held while its struct is read: freed with it
+    return _struct_data(_capsule_pointer(capsule, None) + _DATA_OFFSET).value or 0
+
+
 def check_aligned(x, name: str, alignment: int | None = None) -> None:
     """The kernels load elements (and canary fields) with aligned loads: a misaligned
     array is a fault on the GPU, so it is refused on every backend."""
@@ -246,6 +252,10 @@ def array_state(x):
     ``==`` compares elements. Anything that is not an array gets a state equal to nothing,
     so it is always checked."""
     kind = type(x)
+    if kind is np.ndarray:      # the usual case first: a launch reads ~40 states
+        return (kind, x.shape, x.strides, x.dtype,
+                _numpy_address(x) if _struct_data is not None else data_address(x),
+                x.flags.writeable)
     try:
         if (_LIBRARIES.get(kind) or _library_of_type(kind)) == "cupy":
             return (kind, x.shape, x.strides, x.dtype, x.data.ptr)

@@ -86,10 +86,11 @@ def entry_rows(context, slot, expected_position, prev, expected_token) -> tuple:
     slot_out = (slot < 0) | (slot >= num_slots)
     prev_out = prev >= num_slots
 
-    bits = np.zeros(active, dtype=np.int64)
-    bits[stored_prev_hash != chain] |= _CHAIN
-    bits[(expected_token != EXPECTED_TOKEN_UNKNOWN) & (stored_token != expected_token)] |= _TOKEN
-    bits[stored_position != expected_position] |= _POSITION
+    # Each rule's bit where it fails, one select and one OR per rule.
+    bits = np.where(stored_prev_hash != chain, _CHAIN, 0)
+    bits |= np.where((expected_token != EXPECTED_TOKEN_UNKNOWN)
+                     & (stored_token != expected_token), _TOKEN, 0)
+    bits |= np.where(stored_position != expected_position, _POSITION, 0)
     source_out = outside_sources(context.real_kv_sources, context.real_kv_hash_mode, slot)
     if context.hashing:
         real_kv = np.zeros(active, dtype=np.uint64)
@@ -97,10 +98,10 @@ def entry_rows(context, slot, expected_position, prev, expected_token) -> tuple:
         hashed = np.flatnonzero(~(slot_out | source_out) & (slot != TOKEN_TO_KV_SLOT_PADDING))
         real_kv[hashed] = hash_inside(context.real_kv_sources, context.real_kv_hash_mode,
                                       slot[hashed])
-        bits[(stored_real_kv != real_kv.view(np.int64)) & ~source_out] |= _REAL_KV
+        bits |= np.where((stored_real_kv != real_kv.view(np.int64)) & ~source_out, _REAL_KV, 0)
     else:
-        bits[stored_real_kv != 0] |= _REAL_KV
-    bits[prev_out | source_out] |= _OUT_OF_RANGE
+        bits |= np.where(stored_real_kv != 0, _REAL_KV, 0)
+    bits |= np.where(prev_out | source_out, _OUT_OF_RANGE, 0)
     bits[slot_out] = _OUT_OF_RANGE  # the record was never read: nothing else is known
     bits[slot == TOKEN_TO_KV_SLOT_PADDING] = 0  # unfilled: skipped
 
