@@ -17,7 +17,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from ...format.consts import RealKvHashMode
 from ...format.hashing import splitmix64_inplace
-from . import realkv_compiled
+from . import chain_compiled, realkv_compiled
 
 # Slots hashed per gather: keeps the temporary byte copy (chunk x read bytes) and the
 # fold's passes over it in cache. Read at call time, so tests shrink it to cross chunk
@@ -138,8 +138,8 @@ def compiled_hash(sources, widths, slots: np.ndarray):
             return None
         folds.append(fold)
     result = folds[0]       # 0 ^ the first fold: the fold itself, folded in place
-    splitmix64_inplace(result)
+    chain_compiled.splitmix64_inplace(result)
     for source_fold in folds[1:]:     # in source order
         result ^= source_fold
-        splitmix64_inplace(result)
+        chain_compiled.splitmix64_inplace(result)
     return result

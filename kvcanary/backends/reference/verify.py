@@ -21,8 +21,9 @@ from ...format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN, VERIFY_TOKEN_M
                             VERIFY_POSITION_MISMATCH as _POSITION,
                             VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
                             SLOT_OUT_OF_RANGE as _OUT_OF_RANGE)
-from ...format.hashing import CHAIN_HEAD, link_inplace
+from ...format.hashing import CHAIN_HEAD
 from ...format.rules import canary_fields, violation_rows
+from .chain_compiled import link_inplace
 from .realkv import hash_inside, outside_sources
 from .ring import commit_rows
 

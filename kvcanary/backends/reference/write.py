@@ -30,8 +30,9 @@ import numpy as np
 from ...format.consts import TOKEN_TO_KV_SLOT_PADDING
 from ...format.bits import (SLOT_OUT_OF_RANGE as _OUT_OF_RANGE, WRITE_TOKEN_MISMATCH as _TOKEN,
                             WRITE_POSITION_MISMATCH as _POSITION, WRITE_SLOT_CONFLICT as _CONFLICT)
-from ...format.hashing import CHAIN_HEAD, mix3_inplace
+from ...format.hashing import CHAIN_HEAD
 from ...format.rules import canary_fields, violation_rows
+from .chain_compiled import mix3_inplace
 from .realkv import outside_sources, real_kv_hash
 from .ring import commit_rows
 
