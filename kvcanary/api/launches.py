@@ -26,8 +26,8 @@ _TABLE_DTYPES = (np.int32, np.int64)
 _backend_module = backend_module
 
 
-def _check_token_array(x, name: str, length: int | None) -> None:
-    A.check_array(x, name, A.INT64, 1, length)
+def _check_token_array(x, name: str, length: int | None) -> int:
+    return A.check_array(x, name, A.INT64, 1, length)
 
 
 class VerifyPlanTooSmall(UserWarning):
@@ -159,7 +159,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
     >>> report.enabled, int(vp.verify_num_valid[0]), vp.verify_slot_indices[:3].tolist()
     (True, 3, [17, 18, 19])
     """
-    table_name, inputs, scalars = _plan_inputs(
+    table_name, inputs, scalars, addresses = _plan_inputs(
         req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
         extend_seq_lens=extend_seq_lens, req_to_token=req_to_token, block_table=block_table,
         block_size=block_size, swa_window_size=swa_window_size,
@@ -174,17 +174,13 @@ def plan(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token=None,
     if bs > write_plan.write_req_capacity:
         raise CanaryError(f"bs={bs} exceeds write_req_capacity={write_plan.write_req_capacity}",
                           key="bs")
-    outputs = {**verify_plan.arrays(), **write_plan.arrays()}
-    for name, array in outputs.items():
-        A.check_writeable(array, name)
-    library = A.same_library(table_name, inputs["req_to_token"],
-                             **{k: v for k, v in inputs.items() if k != "req_to_token"}, **outputs)
+    library = _plan_library(table_name, inputs, verify_plan, write_plan)
     # Both plans are written, the batch only read (library first: two libraries' addresses
     # are two address spaces).
     fresh = inputs if table_name == "req_to_token" else {
         (table_name if name == "req_to_token" else name): array for name, array in inputs.items()}
     overlap.check_fresh(overlap.check_pair(verify_plan.extents(), write_plan.extents(), True,
-                                           "plan"), fresh, "plan", library)
+                                           "plan"), fresh, "plan", library, addresses)
     if check_capacity is None:
         check_capacity = library == "numpy" or strict
     # Counted before the launch: a count past int64 is an error, raised with the plans as
@@ -206,9 +202,10 @@ def _plan_inputs(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token
                  req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
                  kv_token_id_vs_position_offset) -> tuple:
     """:func:`plan`'s batch arguments checked, in upstream's order: ``(table_name, inputs,
-    scalars)``, the arrays by their launch names (the slot table as ``req_to_token``) and the
-    scalar arguments (``swa_window_size``, ``kv_token_id_vs_position_offset``, ``block_size``:
-    1 for a ``req_to_token`` table)."""
+    scalars, addresses)``, the arrays by their launch names (the slot table as
+    ``req_to_token``), the scalar arguments (``swa_window_size``,
+    ``kv_token_id_vs_position_offset``, ``block_size``: 1 for a ``req_to_token`` table) and
+    the data address of each array checked, by the name its errors use (the table's own)."""
     table_name, table, block_size = _slot_table(req_to_token, block_table, block_size)
     swa_window_size = A.check_int64(swa_window_size, "swa_window_size")
     kv_token_id_vs_position_offset = A.check_int64(kv_token_id_vs_position_offset,
@@ -231,14 +228,16 @@ def _plan_inputs(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token
             req_to_verify_expected_tokens_valid_lens, "req_to_verify_expected_tokens_valid_lens"),
     }
     rows = inputs["req_pool_indices"]
-    A.check_array(rows, "req_pool_indices", A.INT64, 1)
+    addresses = {"req_pool_indices": A.check_array(rows, "req_pool_indices", A.INT64, 1)}
     bs = rows.shape[0]
-    A.check_array(inputs["prefix_lens"], "prefix_lens", A.INT64, 1, bs)
-    A.check_array(inputs["extend_seq_lens"], "extend_seq_lens", A.INT64, 1, bs)
-    A.check_array(table, table_name, _TABLE_DTYPES, 2)
+    addresses["prefix_lens"] = A.check_array(inputs["prefix_lens"], "prefix_lens", A.INT64, 1, bs)
+    addresses["extend_seq_lens"] = A.check_array(inputs["extend_seq_lens"], "extend_seq_lens",
+                                                 A.INT64, 1, bs)
+    addresses[table_name] = A.check_array(table, table_name, _TABLE_DTYPES, 2)
     lut = inputs["full_to_swa_index_mapping"]
     if lut is not None:
-        A.check_array(lut, "full_to_swa_index_mapping", A.INT64, 1)
+        addresses["full_to_swa_index_mapping"] = A.check_array(
+            lut, "full_to_swa_index_mapping", A.INT64, 1)
     pool = inputs["req_to_verify_expected_tokens"]
     valid_lens = inputs["req_to_verify_expected_tokens_valid_lens"]
     if pool is not None:
@@ -248,14 +247,32 @@ def _plan_inputs(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token
                 "req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set",
                 key="req_to_verify_expected_tokens_valid_lens"
             )
-        A.check_array(pool, "req_to_verify_expected_tokens", _TABLE_DTYPES, 2)
-        A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", A.INT64, 1, bs)
-    elif valid_lens is not None:
-        A.check_array(valid_lens, "req_to_verify_expected_tokens_valid_lens", A.INT64, 1, bs)
+        addresses["req_to_verify_expected_tokens"] = A.check_array(
+            pool, "req_to_verify_expected_tokens", _TABLE_DTYPES, 2)
+    if valid_lens is not None:
+        addresses["req_to_verify_expected_tokens_valid_lens"] = A.check_array(
+            valid_lens, "req_to_verify_expected_tokens_valid_lens", A.INT64, 1, bs)
     scalars = dict(swa_window_size=swa_window_size,
                    kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
                    block_size=block_size)
-    return table_name, inputs, scalars
+    return table_name, inputs, scalars, addresses
+
+
+def _plan_library(table_name: str, inputs: dict, verify_plan: VerifyPlan,
+                  write_plan: WritePlan) -> str:
+    """Both plans writeable (a read-only one is refused, never written), then every array of
+    the launch of the table's library, which is returned. Plans that passed ``validate`` know
+    whether all their arrays are writeable and of one library: then only the batch's arrays
+    are compared, and any error is the one the full checks give."""
+    library = A.library_of(inputs["req_to_token"])
+    batch = {k: v for k, v in inputs.items() if k != "req_to_token"}
+    if verify_plan.writeable() and write_plan.writeable() \
+            and verify_plan.library() == write_plan.library() == library:
+        return A.same_library(table_name, inputs["req_to_token"], **batch)
+    outputs = {**verify_plan.arrays(), **write_plan.arrays()}
+    for name, array in outputs.items():
+        A.check_writeable(array, name)
+    return A.same_library(table_name, inputs["req_to_token"], **batch, **outputs)
 
 
 # The verify plans already warned too small: once per plan object, without writing onto it.
@@ -344,8 +361,7 @@ def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_
     A.check_contiguous(context.canary_buf, "canary_buf")
     plan.validate()
     length = tokens["input_ids"].shape[0] if tokens["input_ids"].ndim == 1 else None
-    for name, array in tokens.items():
-        _check_token_array(array, name, length)
+    addresses = {name: _check_token_array(array, name, length) for name, array in tokens.items()}
     given = [array is not None for array in expected.values()]
     if any(given) and not all(given):
         raise CanaryError(
@@ -353,14 +369,14 @@ def write(context: CanaryContext, plan: WritePlan, *, input_ids, positions, out_
         )
     if all(given):
         for name, array in expected.items():
-            _check_token_array(array, name, length)
+            addresses[name] = _check_token_array(array, name, length)
     context.validate_arrays()
     A.check_writeable(context.canary_buf, "canary_buf")
     _check_tokens_cover_the_plan(plan, length)
     library = _same_library(context, plan, **tokens, **expected)
     written = overlap.check_pair(context.written_extents(), plan.extents(), False, "write")
-    overlap.check_fresh(written, tokens, "write", library)
-    overlap.check_fresh(written, expected, "write", library)
+    overlap.check_fresh(written, tokens, "write", library, addresses)
+    overlap.check_fresh(written, expected, "write", library, addresses)
     _run(backend or library, library, "write",
          dict(context=context, plan=plan, **tokens, **expected))
 

@@ -4,6 +4,7 @@ whose messages name the argument at fault."""
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,9 +166,53 @@ def check_contiguous(x, name: str) -> None:
 def data_address(x) -> int:
     """Address of the first element (numpy or cupy); 0 for ``None`` (a launch's null
     pointer). The one place an array's address is read: the checks and the launcher."""
+    if type(x) is np.ndarray and _struct_data is not None:
+        return _numpy_address(x)
     if x is None:
         return 0
     return int(x.data.ptr) if is_cupy_array(x) else int(x.__array_interface__["data"][0])
+
+
+class _ArrayInterface(ctypes.Structure):
+    """The leading fields of numpy's C-level array interface (``PyArrayInterface``, the
+    struct in an array's ``__array_struct__`` capsule), up to the data address."""
+
+    _fields_ = [("two", ctypes.c_int), ("nd", ctypes.c_int), ("typekind", ctypes.c_char),
+                ("itemsize", ctypes.c_int), ("flags", ctypes.c_int),
+                ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("data", ctypes.c_void_p)]
+
+
+_DATA_OFFSET = _ArrayInterface.data.offset
+
+
+def _struct_reader():
+    """``(capsule pointer, address reader)`` reading a numpy array's data address from its
+    ``__array_struct__`` (a third of the cost of ``__array_interface__``, whose dict is built
+    on every read; launches read the addresses of ~20 arrays each), or ``(None, None)``
+    where that cannot be done (no CPython API) or reads another address than the dict."""
+    try:
+        pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+            ("PyCapsule_GetPointer", ctypes.pythonapi))
+        read = ctypes.c_void_p.from_address
+        for probe in (np.zeros(3, np.int64)[1:], np.zeros((2, 4), np.uint8)[:, ::2]):
+            capsule = probe.__array_struct__
+            if read(pointer(capsule, None) + _DATA_OFFSET).value != \
+                    probe.__array_interface__["data"][0]:
+                return None, None
+    except (AttributeError, TypeError, ValueError, OSError):
+        return None, None
+    return pointer, read
+
+
+_capsule_pointer, _struct_data = _struct_reader()
+
+
+def _numpy_address(x: np.ndarray) -> int:
+    """The data address of a numpy array, from its C array interface (``_struct_reader``
+    found it readable)."""
+    capsule = x.__array_struct__    # held while its struct is read: freed with it
+    return _struct_data(_capsule_pointer(capsule, None) + _DATA_OFFSET).value or 0
 
 
 def check_aligned(x, name: str, alignment: int | None = None) -> None:
@@ -207,6 +252,10 @@ def array_state(x):
     ``==`` compares elements. Anything that is not an array gets a state equal to nothing,
     so it is always checked."""
     kind = type(x)
+    if kind is np.ndarray:      # the usual case first: a launch reads ~40 states
+        return (kind, x.shape, x.strides, x.dtype,
+                _numpy_address(x) if _struct_data is not None else data_address(x),
+                x.flags.writeable)
     try:
         if (_LIBRARIES.get(kind) or _library_of_type(kind)) == "cupy":
             return (kind, x.shape, x.strides, x.dtype, x.data.ptr)
@@ -223,6 +272,11 @@ def check_writeable(x, name: str) -> None:
         raise CanaryError(f"{name} is read-only but the launch writes it", key=name)
 
 
+def all_writeable(arrays) -> bool:
+    """Whether :func:`check_writeable` passes every one of ``arrays``."""
+    return all(x.flags.writeable for x in arrays if isinstance(x, np.ndarray))
+
+
 def check_int64(value, name: str) -> int:
     """A scalar argument as a Python int inside int64 (the kernels take it as int64_t)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
@@ -233,19 +287,23 @@ def check_int64(value, name: str) -> int:
     return value
 
 
-def check_array(x, name: str, dtypes, ndim: int, length: int | None = None) -> None:
-    """The usual checks of a kernel argument, in upstream's order of messages."""
+def check_array(x, name: str, dtypes, ndim: int, length: int | None = None) -> int:
+    """The usual checks of a kernel argument, in upstream's order of messages. Returns the
+    array's data address (0 when it is empty), which the alignment check reads: a launch's
+    overlap check of the same argument takes it from here instead of reading it again."""
     allowed = _DTYPES.get(dtypes)
     if (allowed is not None and x.flags.c_contiguous and x.dtype in allowed and x.ndim == ndim
-            and (length is None or x.shape[0] == length)
-            and not (x.size and data_address(x) % x.dtype.itemsize)):
-        return  # all pass, tested at once (launches run this per argument); else find which
-    check_contiguous(x, name)
+            and (length is None or x.shape[0] == length)):
+        address = data_address(x) if x.size else 0
+        if not address % x.dtype.itemsize:
+            return address  # all pass, tested at once (launches run this per argument)
+    check_contiguous(x, name)   # else find which fails, in order
     check_dtype(x, name, *dtypes)
     check_aligned(x, name)
     check_ndim(x, name, ndim)
     if length is not None:
         check_length(x, name, length)
+    return data_address(x) if x.size else 0
 
 
 def same_library(reference_name: str, reference, **arrays) -> str:

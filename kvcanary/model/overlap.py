@@ -97,19 +97,25 @@ def check_pair(written: Extents, other: Extents, other_written: bool,
 _PAIRS_KEPT = 16
 
 
-def check_fresh(written: WrittenSet, arrays: dict, launch: str, library: str) -> None:
+def check_fresh(written: WrittenSet, arrays: dict, launch: str, library: str,
+                addresses: dict | None = None) -> None:
     """Refuse a byte shared by one of ``arrays`` (contiguous arrays of ``library`` the launch
     only reads, already checked one by one) and a written array, one bisection each.
-    Read-only arrays may share memory with each other."""
+    Read-only arrays may share memory with each other. ``addresses`` holds the data
+    addresses the checks one by one read (:func:`kvcanary.model.arrays.check_array`), by the
+    names of ``arrays``; an array it lacks is read here."""
     ends, begins, items = written.ends, written.begins, written.items
     device = library == "cupy"
+    known = addresses or {}
     for name, array in arrays.items():
         if array is None:
             continue
         size = array.nbytes
         if not size:
             continue
-        begin = array.data.ptr if device else A.data_address(array)
+        begin = known.get(name)
+        if begin is None:
+            begin = array.data.ptr if device else A.data_address(array)
         index = bisect_right(ends, begin)   # the first written extent ending past ``begin``
         if index < len(ends) and begins[index] < begin + size:
             raise shared_memory_error(items[index][2], name, launch)

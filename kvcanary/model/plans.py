@@ -89,6 +89,7 @@ class VerifyPlan:
         self._extents = overlap.extents(self.arrays())
         self._passed = state
         self._library = A.common_library(*(getattr(self, n) for n in self.ARRAYS))
+        self._writeable = A.all_writeable(getattr(self, n) for n in self.ARRAYS)
 
     def extents(self) -> overlap.Extents:
         """The byte extents of the plan's arrays when it last passed :meth:`validate`
@@ -99,6 +100,11 @@ class VerifyPlan:
         """The one library of the plan's arrays when it last passed :meth:`validate`, or
         None when they mix libraries."""
         return self._library
+
+    def writeable(self) -> bool:
+        """Whether every array of the plan was writeable when it last passed
+        :meth:`validate` (a launch that writes the plan refuses a read-only one)."""
+        return self._writeable
 
 
 class WritePlan:
@@ -185,9 +191,11 @@ class WritePlan:
         self._extents = overlap.extents(self.arrays())   # the scratch is its own allocation
         self._passed = [A.array_state(getattr(self, n)) for n in self.ARRAYS + self.SCRATCH]
         self._library = A.common_library(*(getattr(self, n) for n in self.ARRAYS))
+        self._writeable = A.all_writeable(getattr(self, n) for n in self.ARRAYS)
 
     library = VerifyPlan.library
     extents = VerifyPlan.extents
+    writeable = VerifyPlan.writeable
 
 
 def _zeros_like(array, length: int):

@@ -141,6 +141,23 @@ def test_where_it_cannot_read_in_place_the_numpy_fold_runs():
     assert realkv_compiled.source_words(Foreign()) is None
 
 
+def test_the_words_span_the_rows_read_only_and_keep_them_alive():
+    import gc
+
+    backing = np.arange(6 * 96, dtype=np.int64).view(np.uint8).reshape(6, 768)
+    source = kc.RealKvSource(backing[:, 128:640], page_size=4, num_bytes_per_token=64,
+                             read_bytes=64)
+    words = realkv_compiled.source_words(source)
+    start = 128 // 8
+    assert words.shape == ((5 * 768 + 4 * 64) // 8,) and words.dtype == np.uint64
+    assert not words.flags.writeable
+    assert words.tolist() == backing.view(np.uint64).reshape(-1)[start:start + words.size].tolist()
+    expected = words.tolist()
+    del source, backing
+    gc.collect()
+    assert words.tolist() == expected       # the rows live while the words do
+
+
 def test_verify_catches_one_flipped_bit_through_the_compiled_fold():
     torch = pytest.importorskip("torch", reason=skip_reasons.transformers_extra("torch"))
     sources, num_slots = _guard_layout(torch.float16, blocks=6, seed=7)

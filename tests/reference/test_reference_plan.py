@@ -5,6 +5,7 @@ import pytest
 
 import kvcanary as kc
 from builders import i64, linear_req_to_token, run_plan
+from kvcanary.format.consts import PLAN_SLOT_OUT_OF_TABLE
 from oracle import assert_plan_matches, plan as oracle_plan
 
 
@@ -205,3 +206,24 @@ def test_plans_match_the_oracle_on_a_mixed_batch():
             req_to_verify_expected_tokens_valid_lens=i64([11, 40, 20, 3, 40]),
             kv_token_id_vs_position_offset=1)
     assert_plan_matches(vp, wp, want)
+
+
+def test_predecessors_of_positions_that_wrap_past_int64():
+    # A window start that wraps (prefix near int64's floor) makes positions int64 max, then
+    # its floor: the second has no predecessor (position <= 0), as the kernels have it, not
+    # the entry before it.
+    vp, _ = run_plan([1], [-(1 << 63) + 1], [0], np.zeros((2, 4), np.int32),
+                     verify_capacity=2, swa_window_size=2,
+                     full_to_swa_index_mapping=np.arange(8, dtype=np.int64))
+    assert int(vp.verify_num_valid[0]) == 2
+    assert vp.verify_expected_positions[:2].tolist() == [(1 << 63) - 1, -(1 << 63)]
+    assert vp.verify_prev_slot_indices[:2].tolist() == [PLAN_SLOT_OUT_OF_TABLE, -1]
+
+
+def test_predecessors_are_the_entries_before_but_for_each_rows_first():
+    table = np.arange(100, 140, dtype=np.int32).reshape(4, 10)
+    vp, _ = run_plan([1, 0, 3, 2], [3, 5, 2, 1], [1, 1, 1, 1], table, swa_window_size=2,
+                     full_to_swa_index_mapping=np.arange(200, dtype=np.int64))
+    n = int(vp.verify_num_valid[0])
+    assert vp.verify_slot_indices[:n].tolist() == [111, 112, 130, 131, 120]
+    assert vp.verify_prev_slot_indices[:n].tolist() == [110, 111, -1, 130, -1]

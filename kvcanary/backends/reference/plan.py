@@ -42,6 +42,9 @@ def table_slots(table: np.ndarray, rows: np.ndarray, positions: np.ndarray,
 
 def table_entries(table: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """``table[rows, cols]`` as int64; reads outside the table give the marker."""
+    if rows.size and 0 <= int(rows.min()) and int(rows.max()) < table.shape[0] \
+            and 0 <= int(cols.min()) and int(cols.max()) < table.shape[1]:
+        return table[rows, cols].astype(np.int64, copy=False)   # every read inside (usual)
     inside = ((rows >= 0) & (rows < table.shape[0]) & (cols >= 0) & (cols < table.shape[1]))
     result = np.full(rows.shape, PLAN_SLOT_OUT_OF_TABLE, dtype=np.int64)
     result[inside] = table[rows[inside], cols[inside]]
@@ -91,6 +94,28 @@ def paged_entries(block_table, block_size, row, start, verify_len, position) -> 
     prev[1:] = slot[:-1]
     prev[heads] = head_prev
     return slot, prev
+
+
+def token_prev(table, row, start, verify_len, offsets, slot):
+    """The predecessor slots of the verify entries from a per-token table without a second
+    gather: a row's entries are the consecutive positions ``[start, start + verify_len)``,
+    so each predecessor is the slot of the entry before it, but for the row's first entry
+    (read from the table; -1 at position 0). None where a row's positions pass int64 (they
+    wrap, and are no longer consecutive): the caller reads every predecessor then."""
+    nonempty = np.flatnonzero(verify_len > 0)
+    first = start[nonempty]
+    if nonempty.size and int(first.max()) + int(verify_len.max()) > _INT64_MAX:
+        return None
+    prev = np.empty_like(slot)
+    prev[1:] = slot[:-1]
+    head_prev = np.full(nonempty.shape, -1, dtype=np.int64)
+    has_prev = first > 0
+    head_prev[has_prev] = table_slots(table, row[nonempty][has_prev], first[has_prev] - 1)
+    prev[offsets[nonempty]] = head_prev
+    return prev
+
+
+_INT64_MAX = (1 << 63) - 1
 
 
 def check_translatable(lut, *columns: np.ndarray) -> None:
@@ -147,9 +172,11 @@ def verify_entries(table, block_size, lut, row, start, verify_len, total, pool, 
     table_row = row[batch_row]
     if block_size == 1:
         slot = table_slots(table, table_row, position)
-        prev = np.full(total, -1, dtype=np.int64)
-        has_prev = position > 0
-        prev[has_prev] = table_slots(table, table_row[has_prev], position[has_prev] - 1)
+        prev = token_prev(table, row, start, verify_len, offsets, slot)
+        if prev is None:
+            prev = np.full(total, -1, dtype=np.int64)
+            has_prev = position > 0
+            prev[has_prev] = table_slots(table, table_row[has_prev], position[has_prev] - 1)
     else:
         slot, prev = paged_entries(table, block_size, row, start, verify_len, position)
     check_translatable(lut, slot, prev)  # an entry's slot, then its predecessor
@@ -194,7 +221,8 @@ def plan_reference(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_tok
     capacity = verify_plan.verify_capacity
     # Clamp each length to capacity + 1 first: the sum then cannot overflow int64 and
     # still exceeds the capacity whenever the true sum does.
-    verify_len = np.where(active, np.clip(prefix_lens - start, 0, capacity + 1), 0)
+    verify_len = np.where(active, np.minimum(np.maximum(prefix_lens - start, 0), capacity + 1),
+                          0)   # np.clip, without its costly checks of the bounds' types
     total = int(verify_len.sum())
 
     # Every translation (the step that can raise) runs before any output changes, so a

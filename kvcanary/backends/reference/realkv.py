@@ -17,7 +17,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from ...format.consts import RealKvHashMode
 from ...format.hashing import splitmix64_inplace
-from . import realkv_compiled
+from . import chain_compiled, realkv_compiled
 
 # Slots hashed per gather: keeps the temporary byte copy (chunk x read bytes) and the
 # fold's passes over it in cache. Read at call time, so tests shrink it to cross chunk
@@ -56,10 +56,11 @@ def fold_source(source, slots: np.ndarray, num_bytes: int) -> np.ndarray:
 def outside_sources(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndarray:
     """bool per slot: hashing is on and the slot's page lies past some source's rows."""
     slots = np.asarray(slots, dtype=np.int64)
-    outside = np.zeros(slots.shape[0], dtype=bool)
-    if mode != RealKvHashMode.NONE:
-        for source in sources:
-            outside |= slots >= source.num_slots
+    if mode == RealKvHashMode.NONE or not sources:
+        return np.zeros(slots.shape[0], dtype=bool)
+    outside = slots >= sources[0].num_slots
+    for source in sources[1:]:
+        outside |= slots >= source.num_slots
     return outside
 
 
@@ -81,20 +82,34 @@ def fold_sources(sources, slots: np.ndarray, num_bytes: int) -> np.ndarray:
     return acc
 
 
-def real_kv_hash(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndarray:
+def real_kv_hash(sources, mode: RealKvHashMode, slots: np.ndarray,
+                 outside: np.ndarray | None = None) -> np.ndarray:
     """uint64 fingerprint per slot; 0 when the mode is NONE or there are no sources, and
-    for a slot outside a source (whose bytes are then not read)."""
+    for a slot outside a source (whose bytes are then not read). ``outside``: the slots'
+    :func:`outside_sources`, where the caller found it already (for its reports)."""
     slots = np.asarray(slots, dtype=np.int64)
-    result = np.zeros(slots.shape[0], dtype=np.uint64)
     if mode == RealKvHashMode.NONE or not sources:
+        return np.zeros(slots.shape[0], dtype=np.uint64)
+    if outside is None:
+        outside = outside_sources(sources, mode, slots)
+    if outside.any():
+        result = np.zeros(slots.shape[0], dtype=np.uint64)
+        inside = np.flatnonzero(~outside)
+        result[inside] = hash_inside(sources, mode, slots[inside])
         return result
-    inside = np.flatnonzero(~outside_sources(sources, mode, slots))
-    if inside.size < slots.size:
-        result[inside] = real_kv_hash(sources, mode, slots[inside])
-        return result
+    return hash_inside(sources, mode, slots)
+
+
+def hash_inside(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndarray:
+    """:func:`real_kv_hash` of slots that lie inside every source, under a mode other than
+    NONE: the launches, which find the slots outside a source for their reports anyway,
+    hash the others here."""
+    slots = np.asarray(slots, dtype=np.int64)
     widths = [source.effective_read_bytes(mode) for source in sources]
-    if compiled_hash(sources, widths, slots, result):
-        return result
+    compiled = compiled_hash(sources, widths, slots)
+    if compiled is not None:
+        return compiled
+    result = np.zeros(slots.shape[0], dtype=np.uint64)
     groups = {}     # read bytes -> indices of the sources that read that many
     for index, width in enumerate(widths):
         groups.setdefault(width, []).append(index)
@@ -113,16 +128,18 @@ def real_kv_hash(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndarray
     return result
 
 
-def compiled_hash(sources, widths, slots: np.ndarray, result: np.ndarray) -> bool:
-    """:func:`real_kv_hash` of slots inside every source into ``result`` by the compiled fold;
-    False (``result`` untouched) where it does not apply to every source."""
+def compiled_hash(sources, widths, slots: np.ndarray):
+    """:func:`hash_inside` by the compiled fold (a new array), or None where that does not
+    apply to every source."""
     folds = []
     for source, width in zip(sources, widths):
         fold = realkv_compiled.fold_source(source, slots, width)
         if fold is None:
-            return False
+            return None
         folds.append(fold)
-    for source_fold in folds:     # in source order
+    result = folds[0]       # 0 ^ the first fold: the fold itself, folded in place
+    chain_compiled.splitmix64_inplace(result)
+    for source_fold in folds[1:]:     # in source order
         result ^= source_fold
-        splitmix64_inplace(result)
-    return True
+        chain_compiled.splitmix64_inplace(result)
+    return result

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...format.consts import EXPECTED_TOKEN_UNKNOWN, TOKEN_TO_KV_SLOT_PADDING
+from ...format.consts import EXPECTED_TOKEN_UNKNOWN, TOKEN_TO_KV_SLOT_PADDING, VIOLATION_FIELDS
 from ...format.bits import (VERIFY_CHAIN_HASH_MISMATCH as _CHAIN, VERIFY_TOKEN_MISMATCH as _TOKEN,
                             VERIFY_POSITION_MISMATCH as _POSITION,
                             VERIFY_REAL_KV_HASH_MISMATCH as _REAL_KV,
                             SLOT_OUT_OF_RANGE as _OUT_OF_RANGE)
-from ...format.hashing import CHAIN_HEAD, link_inplace
+from ...format.hashing import CHAIN_HEAD
 from ...format.rules import canary_fields, violation_rows
-from .realkv import outside_sources, real_kv_hash
+from .chain_compiled import link_inplace
+from .realkv import hash_inside, outside_sources
 from .ring import commit_rows
 
 
@@ -86,24 +87,28 @@ def entry_rows(context, slot, expected_position, prev, expected_token) -> tuple:
     slot_out = (slot < 0) | (slot >= num_slots)
     prev_out = prev >= num_slots
 
-    bits = np.zeros(active, dtype=np.int64)
-    bits[stored_prev_hash != chain] |= _CHAIN
-    bits[(expected_token != EXPECTED_TOKEN_UNKNOWN) & (stored_token != expected_token)] |= _TOKEN
-    bits[stored_position != expected_position] |= _POSITION
+    # Each rule's bit where it fails, one select and one OR per rule.
+    bits = np.where(stored_prev_hash != chain, _CHAIN, 0)
+    bits |= np.where((expected_token != EXPECTED_TOKEN_UNKNOWN)
+                     & (stored_token != expected_token), _TOKEN, 0)
+    bits |= np.where(stored_position != expected_position, _POSITION, 0)
     source_out = outside_sources(context.real_kv_sources, context.real_kv_hash_mode, slot)
     if context.hashing:
         real_kv = np.zeros(active, dtype=np.uint64)
-        hashed = np.flatnonzero(~slot_out & (slot != TOKEN_TO_KV_SLOT_PADDING))
-        real_kv[hashed] = real_kv_hash(context.real_kv_sources, context.real_kv_hash_mode,
-                                       slot[hashed])
-        bits[(stored_real_kv != real_kv.view(np.int64)) & ~source_out] |= _REAL_KV
+        # A slot outside a source hashes to 0 unread, as real_kv_hash has it.
+        hashed = np.flatnonzero(~(slot_out | source_out) & (slot != TOKEN_TO_KV_SLOT_PADDING))
+        real_kv[hashed] = hash_inside(context.real_kv_sources, context.real_kv_hash_mode,
+                                      slot[hashed])
+        bits |= np.where((stored_real_kv != real_kv.view(np.int64)) & ~source_out, _REAL_KV, 0)
     else:
-        bits[stored_real_kv != 0] |= _REAL_KV
-    bits[prev_out | source_out] |= _OUT_OF_RANGE
+        bits |= np.where(stored_real_kv != 0, _REAL_KV, 0)
+    bits |= np.where(prev_out | source_out, _OUT_OF_RANGE, 0)
     bits[slot_out] = _OUT_OF_RANGE  # the record was never read: nothing else is known
     bits[slot == TOKEN_TO_KV_SLOT_PADDING] = 0  # unfilled: skipped
 
     failed = np.flatnonzero(bits)
+    if failed.size == 0:    # most launches: no row to build
+        return failed, np.zeros((0, VIOLATION_FIELDS), dtype=np.int64)
     out = slot_out[failed]
     return failed, violation_rows(
         context.kernel_kind,

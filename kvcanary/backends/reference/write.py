@@ -30,8 +30,9 @@ import numpy as np
 from ...format.consts import TOKEN_TO_KV_SLOT_PADDING
 from ...format.bits import (SLOT_OUT_OF_RANGE as _OUT_OF_RANGE, WRITE_TOKEN_MISMATCH as _TOKEN,
                             WRITE_POSITION_MISMATCH as _POSITION, WRITE_SLOT_CONFLICT as _CONFLICT)
-from ...format.hashing import CHAIN_HEAD, mix3_inplace
+from ...format.hashing import CHAIN_HEAD
 from ...format.rules import canary_fields, violation_rows
+from .chain_compiled import mix3_inplace
 from .realkv import outside_sources, real_kv_hash
 from .ring import commit_rows
 
@@ -76,10 +77,12 @@ def write_reference(context, plan, *, input_ids, positions, out_cache_loc,
     requests = np.flatnonzero(ends > starts)
     num_tokens = input_ids.shape[0]
     outside = (starts[requests] < 0) | (ends[requests] > num_tokens)
-    bad = requests[outside]
-    rows.add(bad, -1, _RULE_RANGE, violation_rows(
-        kind, -1, 0, 0, 0, 0, np.where(starts[bad] < 0, starts[bad], ends[bad]), _OUT_OF_RANGE))
-    requests = requests[~outside]
+    if outside.any():
+        bad = requests[outside]
+        rows.add(bad, -1, _RULE_RANGE, violation_rows(
+            kind, -1, 0, 0, 0, 0, np.where(starts[bad] < 0, starts[bad], ends[bad]),
+            _OUT_OF_RANGE))
+        requests = requests[~outside]
 
     batch = _Batch(context, plan, starts, ends, input_ids, positions, out_cache_loc,
                    expected_input_tokens, expected_input_positions)
@@ -123,8 +126,9 @@ class _Batch:
         # Seeds, all read before anything is stored: link of the seed record, or H0.
         seed = self.seeds[requests]
         seed_out = seed >= num_slots
-        rows.add(requests[seed_out], -1, _RULE_SEED, violation_rows(
-            kind, seed[seed_out], 0, 0, 0, 0, seed[seed_out], _OUT_OF_RANGE))
+        if seed_out.any():
+            rows.add(requests[seed_out], -1, _RULE_SEED, violation_rows(
+                kind, seed[seed_out], 0, 0, 0, 0, seed[seed_out], _OUT_OF_RANGE))
         seeded = np.flatnonzero((seed >= 0) & ~seed_out)
         running = np.full(requests.size, CHAIN_HEAD, dtype=np.uint64)
         seed_record = fields[seed[seeded]]
@@ -145,9 +149,10 @@ class _Batch:
             bits = (np.where(token != expected_token, _TOKEN, 0)
                     | np.where(position != expected_position, _POSITION, 0))
             hit = np.flatnonzero(bits)
-            rows.add(request_id[hit], entry[hit], _RULE_INPUT, violation_rows(
-                kind, slot[hit], position[hit], token[hit], expected_token[hit],
-                prev_hash[hit], expected_position[hit], bits[hit]))
+            if hit.size:
+                rows.add(request_id[hit], entry[hit], _RULE_INPUT, violation_rows(
+                    kind, slot[hit], position[hit], token[hit], expected_token[hit],
+                    prev_hash[hit], expected_position[hit], bits[hit]))
 
         if self.position_assert and seeded.size:
             # Expected position: the previous kept entry's actual position + 1 (the seed's
@@ -161,33 +166,36 @@ class _Batch:
             previous[first_of_request] = seed_position[request_of[first_of_request]]
             expected = previous + 1
             hit = np.flatnonzero(has_seed[request_of] & (position != expected))
-            rows.add(request_id[hit], entry[hit], _RULE_CHAIN_POSITION, violation_rows(
-                kind, slot[hit], position[hit], token[hit], token[hit], prev_hash[hit],
-                expected[hit], _POSITION))
+            if hit.size:
+                rows.add(request_id[hit], entry[hit], _RULE_CHAIN_POSITION, violation_rows(
+                    kind, slot[hit], position[hit], token[hit], token[hit], prev_hash[hit],
+                    expected[hit], _POSITION))
 
         slot_out = slot >= num_slots
         # A slot outside the buffer is never stored; one outside a real-KV source is
         # stored with real-KV hash 0 (its bytes are not read). Both are reported alike.
-        hit = np.flatnonzero(slot_out | outside_sources(
-            self.context.real_kv_sources, self.context.real_kv_hash_mode, slot))
-        rows.add(request_id[hit], entry[hit], _RULE_SLOT, violation_rows(
-            kind, slot[hit], position[hit], token[hit], token[hit], prev_hash[hit],
-            slot[hit], _OUT_OF_RANGE))
+        sources, mode = self.context.real_kv_sources, self.context.real_kv_hash_mode
+        source_out = outside_sources(sources, mode, slot)
+        hit = np.flatnonzero(slot_out | source_out)
+        if hit.size:
+            rows.add(request_id[hit], entry[hit], _RULE_SLOT, violation_rows(
+                kind, slot[hit], position[hit], token[hit], token[hit], prev_hash[hit],
+                slot[hit], _OUT_OF_RANGE))
 
         inside = np.flatnonzero(~slot_out)
         keeper = inside[_last_writer(slot[inside])]
         lost = np.flatnonzero((keeper != inside) & (slot[inside] != TOKEN_TO_KV_SLOT_PADDING))
         hit, kept = inside[lost], keeper[lost]
-        if self.report_conflicts:
+        if self.report_conflicts and hit.size:
             rows.add(request_id[hit], entry[hit], _RULE_CONFLICT, violation_rows(
                 kind, slot[hit], position[hit], token[hit], token[kept], prev_hash[hit],
                 position[kept], _CONFLICT))
 
         stored = inside[keeper == inside]     # each slot's last write, in entry order
         _store(fields, slot[stored], token[stored], position[stored], prev_hash[stored],
-               real_kv_hash(self.context.real_kv_sources, self.context.real_kv_hash_mode,
-                            slot[stored]))
+               real_kv_hash(sources, mode, slot[stored], source_out[stored]))
         return int(inside.size)
+
 
 
 def _chain_across(running, seed_position, seed, seeded, request_of, slot, num_slots, token,
@@ -268,6 +276,8 @@ def _last_writer(slot: np.ndarray) -> np.ndarray:
     ordered = slot[order]
     run_end = np.ones(slot.size, dtype=bool)
     run_end[:-1] = ordered[1:] != ordered[:-1]
+    if run_end.all():   # every slot written once (most launches): each write keeps its own
+        return np.arange(slot.size)
     ends = np.flatnonzero(run_end)
     run_of = np.searchsorted(ends, np.arange(slot.size))
     keeper = np.empty(slot.size, dtype=np.int64)

@@ -11,7 +11,7 @@ from collections import deque
 import numpy as np
 
 from ... import Merger, RealKvHashMode, Violation
-from ...backends.reference import realkv_compiled
+from ...backends.reference import chain_compiled, realkv_compiled
 from ...dump import save as save_dump
 from ...format.consts import HASH_MODE_NAMES
 from ...format.errors import GUARD_PREFIX, GuardError
@@ -131,9 +131,11 @@ class Guard:
         self._inside = False
         # (guard seconds, engine step seconds) of the newest guarded steps
         self.step_times = deque(maxlen=STEP_TIMES_KEPT)
-        if self.hash_mode != RealKvHashMode.NONE and getattr(
-                getattr(model, "device", None), "type", "cpu") == "cpu":
-            realkv_compiled.kernel()    # numba's load or compile now, not in the first step
+        if getattr(getattr(model, "device", None), "type", "cpu") == "cpu":
+            # numba's load or compile now, not in the first step
+            chain_compiled.kernels()    # every launch's chain rounds
+            if self.hash_mode != RealKvHashMode.NONE:
+                realkv_compiled.kernel()
 
     # -- context manager
 
