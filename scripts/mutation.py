@@ -108,9 +108,9 @@ EQUIVALENT: dict[str, str] = {
         "min(num_sources, kMaxSources): both branches give the same value when they are equal",
     "kernels/kvc_plan.cu:39:34:>= -> >":
         "row 0 is never looked up: the padding row has no entries and no seed",
-    "kvcanary/backends/reference/plan.py:45:15:rows >= 0 -> rows > 0":
+    "kvcanary/backends/reference/plan.py:48:15:rows >= 0 -> rows > 0":
         "row 0 is never looked up: the padding row has no entries and no seed",
-    "kvcanary/backends/reference/plan.py:136:16:table_row >= 0 -> table_row > 0":
+    "kvcanary/backends/reference/plan.py:161:16:table_row >= 0 -> table_row > 0":
         "row 0 is never looked up: the padding row has no entries",
     "kernels/kvc_plan.cu:91:8:> -> >=":
         "clamping a length equal to capacity + 1 to capacity + 1 changes nothing",
@@ -120,14 +120,14 @@ EQUIVALENT: dict[str, str] = {
         "an extend of 0 gives a write length of 0 on either branch",
     "kernels/kvc_verify.cu:107:13:<= -> <":
         "with no active entry the loop runs no iteration and the counter adds 0",
-    "kvcanary/backends/reference/verify.py:86:16:slot < 0 -> slot <= 0":
+    "kvcanary/backends/reference/verify.py:87:16:slot < 0 -> slot <= 0":
         "slot 0 is skipped after the range rule: its bits are cleared and it is never hashed",
-    "kvcanary/backends/reference/write.py:69:7:active <= 0 -> active < 0":
+    "kvcanary/backends/reference/write.py:70:7:active <= 0 -> active < 0":
         "with no active request every array below is empty: nothing is written",
-    "kvcanary/backends/reference/write.py:80:18:-1 -> 1":
+    "kvcanary/backends/reference/write.py:82:22:-1 -> 1":
         "the entry key orders rows within one request, and a request outside the token "
         "arrays has just this one row",
-    "kvcanary/backends/reference/realkv.py:89:7:mode == RealKvHashMode.NONE or not sources -> "
+    "kvcanary/backends/reference/realkv.py:91:7:mode == RealKvHashMode.NONE or not sources -> "
     "mode == RealKvHashMode.NONE and (not sources)":
         "mode NONE folds zero bytes per source (splitmix64(0) is 0) and no source folds "
         "nothing: the result is 0 either way",
@@ -142,7 +142,7 @@ EQUIVALENT: dict[str, str] = {
     "kvcanary/audit/matching.py:101:11:max(n, predicted.shape[0]) + 1 -> max(n, predicted.shape[0]) - 1":
         "the span stays above every occurrence index unless one group holds every row, and "
         "then there is no other group to collide with",
-    "kvcanary/backends/reference/write.py:54:48:-1 -> 1":
+    "kvcanary/backends/reference/write.py:55:48:-1 -> 1":
         "stacking 1-D keys: axis 1 is the last axis",
     "kernels/kvc_write.cu:51:13:> -> >=":
         "clamping an active count equal to the capacity to the capacity changes nothing",

@@ -1,7 +1,8 @@
 """The numpy reference: upstream's reference semantics, vectorised over entries.
 
 One module per launch (``plan``, ``write``, ``verify``) plus the shared rules
-(``realkv`` for the real-KV fold, ``ring`` for the violation ring). The CUDA kernels in
+(``realkv`` for the real-KV fold, ``ring`` for the violation ring) and the compiled forms of
+the hot loops where numba is installed (``realkv_compiled``, ``chain_compiled``). The CUDA kernels in
 ``kernels/`` have the same shape and names."""
 
 from types import SimpleNamespace

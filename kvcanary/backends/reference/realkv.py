@@ -131,6 +131,8 @@ def hash_inside(sources, mode: RealKvHashMode, slots: np.ndarray) -> np.ndarray:
 def compiled_hash(sources, widths, slots: np.ndarray):
     """:func:`hash_inside` by the compiled fold (a new array), or None where that does not
     apply to every source."""
+    if not sources:     # nothing to fold: every hash is 0
+        return np.zeros(slots.shape[0], dtype=np.uint64)
     folds = []
     for source, width in zip(sources, widths):
         fold = realkv_compiled.fold_source(source, slots, width)
