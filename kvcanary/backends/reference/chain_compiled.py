@@ -12,45 +12,31 @@ compiled loop makes one call of the whole link. A test checks both give the same
 
 from __future__ import annotations
 
-import sys
-import threading
-
 import numpy as np
 
 from ...format import hashing
+from .jit import LoadOnce
 
 # Read at call time: tests turn it off to run numpy's rounds with numba installed.
 ENABLED = True
 
-_lock = threading.Lock()
-_state = {"kernels": None, "tried": False}
-
-
 def _load():
-    """``(splitmix_rows, mix3_rows)`` compiled for the launches' argument types; None without
-    numba (or with one that fails to load or compile)."""
-    try:
-        from . import chain_kernel
-        x = np.zeros(2, dtype=np.uint64)
-        strided = np.zeros((2, 4), dtype=np.int64)[:, 0].view(np.uint64)
-        chain_kernel.splitmix_rows(x)
-        chain_kernel.mix3_rows(x, x, x)
-        chain_kernel.mix3_rows(x, strided, strided)     # record columns: strided views
-    except Exception:   # absent, built for another numpy, no compiler backend: numpy runs
-        return None
+    """``(splitmix_rows, mix3_rows)`` compiled for the launches' argument types."""
+    from . import chain_kernel
+    x = np.zeros(2, dtype=np.uint64)
+    strided = np.zeros((2, 4), dtype=np.int64)[:, 0].view(np.uint64)
+    chain_kernel.splitmix_rows(x)
+    chain_kernel.mix3_rows(x, x, x)
+    chain_kernel.mix3_rows(x, strided, strided)     # record columns: strided views
     return chain_kernel.splitmix_rows, chain_kernel.mix3_rows
+
+
+_kernels = LoadOnce(_load)
 
 
 def kernels():
     """The compiled loops, loaded once per process; None where this path does not apply."""
-    if not ENABLED or sys.byteorder != "little":
-        return None
-    if not _state["tried"]:
-        with _lock:
-            if not _state["tried"]:
-                _state["kernels"] = _load()
-                _state["tried"] = True
-    return _state["kernels"]
+    return _kernels() if ENABLED else None
 
 
 def _fits(*arrays) -> bool:

@@ -4,7 +4,6 @@ there is a writable one, else once per process."""
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from ...format.consts import (
@@ -14,19 +13,12 @@ from ...format.consts import (
     SPLITMIX64_SHIFT_2,
     SPLITMIX64_SHIFT_3,
 )
+from .jit import compiled
 
 MUL_1, MUL_2 = np.uint64(SPLITMIX64_MUL_1), np.uint64(SPLITMIX64_MUL_2)
 # uint64 shift counts: numba turns ``uint64 >> int64`` into float64.
 SHIFT_1, SHIFT_2 = np.uint64(SPLITMIX64_SHIFT_1), np.uint64(SPLITMIX64_SHIFT_2)
 SHIFT_3 = np.uint64(SPLITMIX64_SHIFT_3)
-
-
-def compiled(function, **options):
-    """``numba.njit`` with the on-disk cache, without it where no location is writable."""
-    try:
-        return numba.njit(cache=True, **options)(function)
-    except RuntimeError:    # numba: "cannot cache function ...: no locator available"
-        return numba.njit(**options)(function)
 
 
 def splitmix_py(x):

@@ -15,44 +15,30 @@ path without numba; a test checks both give the same hashes.
 
 from __future__ import annotations
 
-import sys
-import threading
-
 import numpy as np
 
 from ...model.arrays import data_address
+from .jit import LoadOnce
 
 # Read at call time: tests turn it off to run the numpy fold with numba installed.
 ENABLED = True
 
-_lock = threading.Lock()
-_state = {"kernel": None, "tried": False}
-
-
 def _load():
-    """The compiled kernel; None without numba (or with one that fails to load or compile)."""
-    try:
-        from . import realkv_kernel
-        words = np.zeros(2, dtype=np.uint64)
-        words.flags.writeable = False       # the argument types of every later call
-        realkv_kernel.fold_rows(words, 2, 1, 2, 2, np.zeros(1, dtype=np.int64),
-                                np.empty(1, dtype=np.uint64))
-    except Exception:   # absent, built for another numpy, no compiler backend: numpy folds
-        return None
+    from . import realkv_kernel
+    words = np.zeros(2, dtype=np.uint64)
+    words.flags.writeable = False       # the argument types of every later call
+    realkv_kernel.fold_rows(words, 2, 1, 2, 2, np.zeros(1, dtype=np.int64),
+                            np.empty(1, dtype=np.uint64))
     return realkv_kernel.fold_rows
+
+
+_kernel = LoadOnce(_load)
 
 
 def kernel():
     """The compiled kernel, loaded (and compiled, or read from numba's cache) once per
     process; None where this path does not apply."""
-    if not ENABLED or sys.byteorder != "little":
-        return None
-    if not _state["tried"]:
-        with _lock:
-            if not _state["tried"]:
-                _state["kernel"] = _load()
-                _state["tried"] = True
-    return _state["kernel"]
+    return _kernel() if ENABLED else None
 
 
 def source_words(source):

@@ -27,6 +27,7 @@ from ...format.consts import (
     SPLITMIX64_SHIFT_2,
     SPLITMIX64_SHIFT_3,
 )
+from .jit import compiled
 
 # Slots per vector (a 512-bit register of uint64), and per pass: four vectors, as their
 # chains then hide the multiply's latency (measured on an AMD EPYC host: 8 slots per pass
@@ -36,14 +37,6 @@ BLOCK = 4 * LANES
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _VECTOR = ir.VectorType(_I64, LANES)
-
-
-def compiled(function, **options):
-    """``numba.njit`` with the on-disk cache, without it where no location is writable."""
-    try:
-        return numba.njit(cache=True, **options)(function)
-    except RuntimeError:    # numba: "cannot cache function ...: no locator available"
-        return numba.njit(**options)(function)
 
 
 def _splat(value: int):
