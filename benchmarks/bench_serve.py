@@ -8,7 +8,9 @@ serves); each round sends the same ``--requests`` completions
 (``--concurrency`` at a time, ``--max-tokens`` each, prompts of 8 to 40 words, a third of
 them sharing a prefix) to each server in turn, through the ``openai`` client. Per server:
 generated tokens per second of wall time and the p50/p99 latency of a request, each the
-median over the rounds; and, from each guarded server's ``/kvcanary/summary``, the median
+median over the rounds, beside the median of each round's ratio to the unguarded run just
+before it (a shared machine's slow and fast spells then fall on both sides of a ratio);
+and, from each guarded server's ``/kvcanary/summary``, the median
 guard and engine time per step (which the machine's load moves far less). Goal: k0
 throughput at least 97% of unguarded, p99 at most 1.05x.
 Needs kvcanary[serve].
@@ -127,12 +129,20 @@ def main(argv=None) -> int:
     print(f"Llama {args.size if not args.model else args.model}, {args.num_blocks} blocks; "
           f"{args.rounds} rounds x {args.requests} requests, concurrency {args.concurrency}, "
           f"max_tokens {args.max_tokens}")
-    print("| server | tokens/s | vs unguarded | p50 (s) | p99 (s) | p99 vs unguarded |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    # Each round's own ratio to the unguarded server's run just before it: the machine's
+    # slow and fast spells then move both sides of a ratio alike.
+    paired = {name: {key: statistics.median(r[key] / b[key] for r, b in
+                                            zip(runs, rounds["unguarded"]))
+                     for key in ("tokens_per_s", "p99")} for name, runs in rounds.items()}
+    print("| server | tokens/s | vs unguarded | per round | p50 (s) | p99 (s) | p99 vs "
+          "unguarded | per round |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, row in table.items():
         print(f"| {name} | {row['tokens_per_s']:.1f} | "
-              f"{row['tokens_per_s'] / base['tokens_per_s'] * 100:.1f}% | {row['p50']:.2f} | "
-              f"{row['p99']:.2f} | {row['p99'] / base['p99']:.2f}x |")
+              f"{row['tokens_per_s'] / base['tokens_per_s'] * 100:.1f}% | "
+              f"{paired[name]['tokens_per_s'] * 100:.1f}% | {row['p50']:.2f} | "
+              f"{row['p99']:.2f} | {row['p99'] / base['p99']:.2f}x | "
+              f"{paired[name]['p99']:.2f}x |")
     print("| server | engine ms/step | guard ms/step | guard / engine step | findings |")
     print("| --- | --- | --- | --- | --- |")
     for name, g in steps.items():
@@ -140,7 +150,8 @@ def main(argv=None) -> int:
               f"{g['guard_ms_median'] / g['engine_ms_median'] * 100:.1f}% | {g['findings']} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "table": table, "rounds": rounds, "steps": steps},
+            json.dump({"args": vars(args), "table": table, "paired": paired, "rounds": rounds,
+                       "steps": steps},
                       f, indent=1)
     return 0
 
