@@ -20,6 +20,7 @@ from .jit import LoadOnce
 # Read at call time: tests turn it off to run numpy's rounds with numba installed.
 ENABLED = True
 
+
 def _load():
     """``(splitmix_rows, mix3_rows)`` compiled for the launches' argument types."""
     from . import chain_kernel

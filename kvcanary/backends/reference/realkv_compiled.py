@@ -23,6 +23,7 @@ from .jit import LoadOnce
 # Read at call time: tests turn it off to run the numpy fold with numba installed.
 ENABLED = True
 
+
 def _load():
     from . import realkv_kernel
     words = np.zeros(2, dtype=np.uint64)
