@@ -197,7 +197,6 @@ class _Batch:
         return int(inside.size)
 
 
-
 def _chain_across(running, seed_position, seed, seeded, request_of, slot, num_slots, token,
                   position, prev_hash) -> np.ndarray:
     """prev_hash of every entry when seeds chain across requests: a request whose seed slot
