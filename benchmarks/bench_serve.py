@@ -8,8 +8,10 @@ serves); each round sends the same ``--requests`` completions
 (``--concurrency`` at a time, ``--max-tokens`` each, prompts of 8 to 40 words, a third of
 them sharing a prefix) to each server in turn, through the ``openai`` client. Per server:
 generated tokens per second of wall time and the p50/p99 latency of a request, each the
-median over the rounds, beside the median of each round's ratio to the unguarded run just
-before it (a shared machine's slow and fast spells then fall on both sides of a ratio);
+median over the rounds, beside the median of each guarded round's ratio to the mean of the
+unguarded rounds on either side of it (one more unguarded round closes the run, so every
+guarded round has one before and one after it: a machine whose speed drifts during a run then
+moves both sides of a ratio alike);
 and, from each guarded server's ``/kvcanary/summary``, the median
 guard and engine time per step (which the machine's load moves far less). Goal: k0
 throughput at least 97% of unguarded, p99 at most 1.05x.
@@ -17,7 +19,7 @@ Needs kvcanary[serve].
 
 Usage: python benchmarks/bench_serve.py [--quick] [--rounds N] [--requests N]
        [--concurrency N] [--max-tokens N] [--size LAYERSxHIDDEN] [--num-blocks N]
-       [--model DIR] [--json PATH]"""
+       [--sources k0,kv-all] [--model DIR] [--json PATH]"""
 
 from __future__ import annotations
 
@@ -77,6 +79,13 @@ async def one_round(url: str, model: str, texts: list, concurrency: int, max_tok
                 p99=latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))])
 
 
+def bracketed(runs: list, unguarded: list, key: str) -> list:
+    """Round ``i``'s ``key`` over the mean of unguarded rounds ``i`` (before it) and
+    ``i + 1`` (after it); ``unguarded`` holds one round more than ``runs``."""
+    return [r[key] / ((before[key] + after[key]) / 2)
+            for r, before, after in zip(runs, unguarded, unguarded[1:])]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of 64 requests")
@@ -89,8 +98,14 @@ def main(argv=None) -> int:
     parser.add_argument("--num-blocks", type=int, default=64, help="KV blocks of 16 tokens")
     parser.add_argument("--model", default=None, help="a model directory instead of a "
                         "random Llama built here")
+    parser.add_argument("--sources", default="k0,kv-all", help="the guarded servers, "
+                        "comma-separated (k0, kv-all); fewer servers, shorter rounds apart")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    chosen = [name.strip() for name in args.sources.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - {name for name, sources in SETUPS if sources})
+    if unknown or not chosen:
+        parser.error(f"--sources: {', '.join(unknown) or 'none given'}; choose from k0, kv-all")
     if args.quick:
         args.rounds, args.requests = 2, 64
     work = tempfile.mkdtemp(prefix="kvcanary-bench-serve-")
@@ -103,6 +118,8 @@ def main(argv=None) -> int:
     servers = {}
     try:
         for name, sources in SETUPS:
+            if sources is not None and name not in chosen:
+                continue
             log = os.path.join(work, f"{name}.log")
             servers[name] = (
                 Server(model, log_path=log, unguarded=True, serve_options=blocks)
@@ -116,6 +133,9 @@ def main(argv=None) -> int:
             for name, server in servers.items():
                 rounds[name].append(asyncio.run(one_round(server.url, model, texts,
                                                           args.concurrency, args.max_tokens)))
+        # The closing unguarded round: the last guarded rounds' "after" side.
+        closing = asyncio.run(one_round(servers["unguarded"].url, model, texts,
+                                        args.concurrency, args.max_tokens))
         # The guard's own share of a step, which the machine's load moves far less.
         steps = {name: get_json(server.url + "/kvcanary/summary")["guards"][0]
                  for name, server in servers.items() if name != "unguarded"}
@@ -129,11 +149,13 @@ def main(argv=None) -> int:
     print(f"Llama {args.size if not args.model else args.model}, {args.num_blocks} blocks; "
           f"{args.rounds} rounds x {args.requests} requests, concurrency {args.concurrency}, "
           f"max_tokens {args.max_tokens}")
-    # Each round's own ratio to the unguarded server's run just before it: the machine's
-    # slow and fast spells then move both sides of a ratio alike.
-    paired = {name: {key: statistics.median(r[key] / b[key] for r, b in
-                                            zip(runs, rounds["unguarded"]))
-                     for key in ("tokens_per_s", "p99")} for name, runs in rounds.items()}
+    # Each guarded round against the mean of the unguarded rounds before and after it: a
+    # drift of the machine's speed during the run moves both sides of a ratio alike.
+    around = rounds["unguarded"] + [closing]
+    paired = {name: {key: statistics.median(bracketed(runs, around, key))
+                     for key in ("tokens_per_s", "p99")}
+              for name, runs in rounds.items() if name != "unguarded"}
+    paired["unguarded"] = {"tokens_per_s": 1.0, "p99": 1.0}
     print("| server | tokens/s | vs unguarded | per round | p50 (s) | p99 (s) | p99 vs "
           "unguarded | per round |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -143,6 +165,11 @@ def main(argv=None) -> int:
               f"{paired[name]['tokens_per_s'] * 100:.1f}% | {row['p50']:.2f} | "
               f"{row['p99']:.2f} | {row['p99'] / base['p99']:.2f}x | "
               f"{paired[name]['p99']:.2f}x |")
+    for name, runs in rounds.items():
+        if name != "unguarded":
+            print(f"{name}, each round's tokens/s against the unguarded rounds around it: "
+                  + ", ".join(f"{100 * r:.1f}%" for r in bracketed(runs, around,
+                                                                    "tokens_per_s")))
     print("| server | engine ms/step | guard ms/step | guard / engine step | findings |")
     print("| --- | --- | --- | --- | --- |")
     for name, g in steps.items():
@@ -151,7 +178,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "table": table, "paired": paired, "rounds": rounds,
-                       "steps": steps},
+                       "closing_unguarded": closing, "steps": steps},
                       f, indent=1)
     return 0
 
