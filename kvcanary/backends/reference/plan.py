@@ -67,25 +67,25 @@ def paged_entries(block_table, block_size, row, start, verify_len, position) -> 
     a row's entries are the consecutive positions ``[start, start + verify_len)``, so each
     block is read once, and each predecessor is the slot of the entry before it (the row's
     first entry reads its own)."""
-    nonempty = np.flatnonzero(verify_len > 0)
+    nonempty = (verify_len > 0).nonzero()[0]
     first, count, table_row = start[nonempty], verify_len[nonempty], row[nonempty]
     first_block = first // block_size
     blocks_per_row = (first + count - 1) // block_size - first_block + 1
-    block_row = np.repeat(table_row, blocks_per_row)
-    row_offsets = np.cumsum(blocks_per_row) - blocks_per_row
+    block_row = table_row.repeat(blocks_per_row)
+    row_offsets = blocks_per_row.cumsum() - blocks_per_row
     block_index = np.repeat(first_block - row_offsets, blocks_per_row) + np.arange(
         int(blocks_per_row.sum()))
     base = block_slots(table_entries(block_table, block_row, block_index), 0, block_size)
     begin = block_index * block_size
     entries_per_block = (np.minimum(np.repeat(first + count, blocks_per_row), begin + block_size)
                          - np.maximum(np.repeat(first, blocks_per_row), begin))
-    expanded = np.repeat(base, entries_per_block)
+    expanded = base.repeat(entries_per_block)
     slot = expanded + position % block_size
     special = (base == 0) | (base == PLAN_SLOT_OUT_OF_TABLE)   # the null block, the marker
     if special.any():
         keep = np.repeat(special, entries_per_block)
         slot[keep] = expanded[keep]
-    heads = np.cumsum(count) - count
+    heads = count.cumsum() - count
     head_prev = np.full(heads.shape, -1, dtype=np.int64)
     has_prev = first > 0
     head_prev[has_prev] = table_slots(block_table, table_row[has_prev], first[has_prev] - 1,
@@ -102,7 +102,7 @@ def token_prev(table, row, start, verify_len, offsets, slot):
     so each predecessor is the slot of the entry before it, but for the row's first entry
     (read from the table; -1 at position 0). None where a row's positions pass int64 (they
     wrap, and are no longer consecutive): the caller reads every predecessor then."""
-    nonempty = np.flatnonzero(verify_len > 0)
+    nonempty = (verify_len > 0).nonzero()[0]
     first = start[nonempty]
     if nonempty.size and int(first.max()) + int(verify_len.max()) > _INT64_MAX:
         return None
@@ -166,8 +166,8 @@ def expected_tokens(pool, valid_lens, batch_row, table_row, position, offset) ->
 def verify_entries(table, block_size, lut, row, start, verify_len, total, pool, valid_lens,
                    offset) -> tuple:
     """Slot, expected position, predecessor slot and expected token of every entry."""
-    batch_row = np.repeat(np.arange(row.shape[0]), verify_len)
-    offsets = np.cumsum(verify_len) - verify_len
+    batch_row = np.arange(row.shape[0]).repeat(verify_len)
+    offsets = verify_len.cumsum() - verify_len
     position = start[batch_row] + (np.arange(total) - offsets[batch_row])
     table_row = row[batch_row]
     if block_size == 1:
@@ -235,7 +235,7 @@ def plan_reference(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_tok
             req_to_token, block_size, lut, row, start, verify_len, total,
             req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
             kv_token_id_vs_position_offset)
-    seeded = np.flatnonzero(active & (prefix_lens > 0) & (extend_seq_lens > 0))
+    seeded = (active & (prefix_lens > 0) & (extend_seq_lens > 0)).nonzero()[0]
     seeds = np.full(bs, -1, dtype=np.int64)
     seeds[seeded] = translate(
         table_slots(req_to_token, row[seeded], prefix_lens[seeded] - 1, block_size), lut)
@@ -252,7 +252,7 @@ def plan_reference(*, req_pool_indices, prefix_lens, extend_seq_lens, req_to_tok
 
     write_len = np.where(active, np.maximum(0, extend_seq_lens), 0)
     write_plan.write_offsets[0] = 0
-    write_plan.write_offsets[1:bs + 1] = np.cumsum(write_len)
+    write_plan.write_offsets[1:bs + 1] = write_len.cumsum()
     write_plan.write_offsets[bs + 1:] = 0
     write_plan.write_seed_slot_indices[:bs] = seeds
     write_plan.write_num_valid_reqs[0] = bs

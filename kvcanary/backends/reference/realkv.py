@@ -94,7 +94,7 @@ def real_kv_hash(sources, mode: RealKvHashMode, slots: np.ndarray,
         outside = outside_sources(sources, mode, slots)
     if outside.any():
         result = np.zeros(slots.shape[0], dtype=np.uint64)
-        inside = np.flatnonzero(~outside)
+        inside = (~outside).nonzero()[0]
         result[inside] = hash_inside(sources, mode, slots[inside])
         return result
     return hash_inside(sources, mode, slots)

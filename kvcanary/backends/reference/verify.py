@@ -96,7 +96,7 @@ def entry_rows(context, slot, expected_position, prev, expected_token) -> tuple:
     if context.hashing:
         real_kv = np.zeros(active, dtype=np.uint64)
         # A slot outside a source hashes to 0 unread, as real_kv_hash has it.
-        hashed = np.flatnonzero(~(slot_out | source_out) & (slot != TOKEN_TO_KV_SLOT_PADDING))
+        hashed = (~(slot_out | source_out) & (slot != TOKEN_TO_KV_SLOT_PADDING)).nonzero()[0]
         real_kv[hashed] = hash_inside(context.real_kv_sources, context.real_kv_hash_mode,
                                       slot[hashed])
         bits |= np.where((stored_real_kv != real_kv.view(np.int64)) & ~source_out, _REAL_KV, 0)
@@ -106,7 +106,7 @@ def entry_rows(context, slot, expected_position, prev, expected_token) -> tuple:
     bits[slot_out] = _OUT_OF_RANGE  # the record was never read: nothing else is known
     bits[slot == TOKEN_TO_KV_SLOT_PADDING] = 0  # unfilled: skipped
 
-    failed = np.flatnonzero(bits)
+    failed = bits.nonzero()[0]
     if failed.size == 0:    # most launches: no row to build
         return failed, np.zeros((0, VIOLATION_FIELDS), dtype=np.int64)
     out = slot_out[failed]

@@ -74,7 +74,7 @@ def write_reference(context, plan, *, input_ids, positions, out_cache_loc,
     rows = _Rows()
     starts = plan.write_offsets[:active]
     ends = plan.write_offsets[1:active + 1]
-    requests = np.flatnonzero(ends > starts)
+    requests = (ends > starts).nonzero()[0]
     num_tokens = input_ids.shape[0]
     outside = (starts[requests] < 0) | (ends[requests] > num_tokens)
     if outside.any():
@@ -106,8 +106,8 @@ class _Batch:
     def entries(self, requests: np.ndarray):
         """Flat token indices of the requests' kept entries (slot >= 0), grouped by request."""
         counts = self.ends[requests] - self.starts[requests]
-        request_of = np.repeat(np.arange(requests.size), counts)
-        first = np.cumsum(counts) - counts
+        request_of = np.arange(requests.size).repeat(counts)
+        first = counts.cumsum() - counts
         entry = np.arange(request_of.size) - first[request_of]
         index = self.starts[requests][request_of] + entry
         kept = self.out_cache_loc[index] >= 0
@@ -129,7 +129,7 @@ class _Batch:
         if seed_out.any():
             rows.add(requests[seed_out], -1, _RULE_SEED, violation_rows(
                 kind, seed[seed_out], 0, 0, 0, 0, seed[seed_out], _OUT_OF_RANGE))
-        seeded = np.flatnonzero((seed >= 0) & ~seed_out)
+        seeded = ((seed >= 0) & ~seed_out).nonzero()[0]
         running = np.full(requests.size, CHAIN_HEAD, dtype=np.uint64)
         seed_record = fields[seed[seeded]]
         running[seeded] = mix3_inplace(seed_record[:, 2].view(np.uint64).copy(),
@@ -148,7 +148,7 @@ class _Batch:
             expected_position = self.expected_positions[index]
             bits = (np.where(token != expected_token, _TOKEN, 0)
                     | np.where(position != expected_position, _POSITION, 0))
-            hit = np.flatnonzero(bits)
+            hit = bits.nonzero()[0]
             if hit.size:
                 rows.add(request_id[hit], entry[hit], _RULE_INPUT, violation_rows(
                     kind, slot[hit], position[hit], token[hit], expected_token[hit],
@@ -165,7 +165,7 @@ class _Batch:
             first_of_request[1:] = request_of[1:] != request_of[:-1]
             previous[first_of_request] = seed_position[request_of[first_of_request]]
             expected = previous + 1
-            hit = np.flatnonzero(has_seed[request_of] & (position != expected))
+            hit = (has_seed[request_of] & (position != expected)).nonzero()[0]
             if hit.size:
                 rows.add(request_id[hit], entry[hit], _RULE_CHAIN_POSITION, violation_rows(
                     kind, slot[hit], position[hit], token[hit], token[hit], prev_hash[hit],
@@ -176,15 +176,15 @@ class _Batch:
         # stored with real-KV hash 0 (its bytes are not read). Both are reported alike.
         sources, mode = self.context.real_kv_sources, self.context.real_kv_hash_mode
         source_out = outside_sources(sources, mode, slot)
-        hit = np.flatnonzero(slot_out | source_out)
+        hit = (slot_out | source_out).nonzero()[0]
         if hit.size:
             rows.add(request_id[hit], entry[hit], _RULE_SLOT, violation_rows(
                 kind, slot[hit], position[hit], token[hit], token[hit], prev_hash[hit],
                 slot[hit], _OUT_OF_RANGE))
 
-        inside = np.flatnonzero(~slot_out)
+        inside = (~slot_out).nonzero()[0]
         keeper = inside[_last_writer(slot[inside])]
-        lost = np.flatnonzero((keeper != inside) & (slot[inside] != TOKEN_TO_KV_SLOT_PADDING))
+        lost = ((keeper != inside) & (slot[inside] != TOKEN_TO_KV_SLOT_PADDING)).nonzero()[0]
         hit, kept = inside[lost], keeper[lost]
         if self.report_conflicts and hit.size:
             rows.add(request_id[hit], entry[hit], _RULE_CONFLICT, violation_rows(
@@ -242,14 +242,14 @@ def _chain(running: np.ndarray, request_of: np.ndarray, token, position) -> np.n
     if int(lengths.max()) == 1:    # a decode step: each entry is its request's first
         return running[request_of]
     prev_hash = np.empty(num_entries, dtype=np.uint64)
-    rank = np.argsort(-lengths, kind="stable")
+    rank = (-lengths).argsort(kind="stable")
     lane_of_request = np.empty_like(rank)
     lane_of_request[rank] = np.arange(rank.size)
-    step = np.arange(num_entries) - (np.cumsum(lengths) - lengths)[request_of]
+    step = np.arange(num_entries) - (lengths.cumsum() - lengths)[request_of]
     order = np.lexsort((lane_of_request[request_of], step))
     tokens = token.view(np.uint64)[order]
     positions = position.view(np.uint64)[order]
-    bounds = np.concatenate(([0], np.cumsum(np.bincount(step))))
+    bounds = np.concatenate(([0], np.bincount(step).cumsum()))
     hashes = np.empty(num_entries, dtype=np.uint64)
     acc = running[rank].copy()
     steps = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
@@ -271,13 +271,13 @@ def _last_writer(slot: np.ndarray) -> np.ndarray:
     # A stable sort keeps a slot's writes in launch order: the last of each run of equal
     # slots is its last writer (one sort, where np.unique and np.maximum.at took two passes
     # and a scatter).
-    order = np.argsort(slot, kind="stable")
+    order = slot.argsort(kind="stable")
     ordered = slot[order]
     run_end = np.ones(slot.size, dtype=bool)
     run_end[:-1] = ordered[1:] != ordered[:-1]
     if run_end.all():   # every slot written once (most launches): each write keeps its own
         return np.arange(slot.size)
-    ends = np.flatnonzero(run_end)
+    ends = run_end.nonzero()[0]
     run_of = np.searchsorted(ends, np.arange(slot.size))
     keeper = np.empty(slot.size, dtype=np.int64)
     keeper[order] = order[ends][run_of]

@@ -88,7 +88,7 @@ class BlockTables:
         self.count = np.fromiter(map(len, block_lists), dtype=np.int64, count=len(block_lists))
         self.flat = np.fromiter(chain.from_iterable(block_lists), dtype=np.int64,
                                 count=int(self.count.sum()))
-        self.start = np.cumsum(self.count) - self.count
+        self.start = self.count.cumsum() - self.count
 
     def grid(self, block_index: np.ndarray, offset: np.ndarray, page: int,
              missing: int) -> np.ndarray:
@@ -131,11 +131,11 @@ class StepBatch:
         self.token_views = token_views
         self.token_len = np.fromiter(map(len, token_views), dtype=np.int64,
                                      count=len(token_views))
-        self.token_start = np.cumsum(self.token_len) - self.token_len
+        self.token_start = self.token_len.cumsum() - self.token_len
         self.tokens = np.concatenate(token_views + [np.zeros(1, dtype=np.int64)])
         # Per token this step writes: its request row and its index among that row's tokens.
-        self.owners = np.repeat(np.arange(len(recs)), query)
-        self.entry = np.arange(self.owners.size) - (np.cumsum(query) - query)[self.owners]
+        self.owners = np.arange(len(recs)).repeat(query)
+        self.entry = np.arange(self.owners.size) - (query.cumsum() - query)[self.owners]
 
     def __len__(self) -> int:
         return len(self.recs)
@@ -146,7 +146,7 @@ class StepBatch:
         where they cover a cached position (inside the last ``window`` ones when above 0).
         The engine lists ``count`` indices per request, one request after another, the first
         of them reading position ``first``."""
-        offset = np.cumsum(count) - count
+        offset = count.cumsum() - count
         got = np.minimum(np.maximum(read_all.size - offset, 0), count)
         low = np.maximum(first, self.past - window) if window else first
         high = np.minimum(np.minimum(self.past, self.engine_past), first + got)
