@@ -43,8 +43,11 @@ def kernels():
 def _fits(*arrays) -> bool:
     """One-dimensional uint64 numpy arrays of one length (what the loops take)."""
     length = arrays[0].shape
-    return all(type(a) is np.ndarray and a.dtype == np.uint64 and a.ndim == 1
-               and a.shape == length for a in arrays)
+    for a in arrays:    # a loop, not all() of a generator: called a few times every launch
+        if type(a) is not np.ndarray or a.dtype != np.uint64 or a.ndim != 1 \
+                or a.shape != length:
+            return False
+    return True
 
 
 def splitmix64_inplace(x: np.ndarray) -> np.ndarray:
