@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import CpuKernels, Differential, harness_flags_from_env, load, numpy_runs
+from . import CpuKernels, Differential, build_variants, harness_flags_from_env, load, numpy_runs
 
 
 @pytest.fixture(scope="session")
@@ -13,6 +13,7 @@ def cpu_kernels() -> CpuKernels:
     """Kernels compiled for the CPU; 2 'multiprocessors', 8-thread blocks and 4-thread
     write blocks so even small launches span several blocks."""
     flags = harness_flags_from_env()
+    build_variants([(4, False), (4, True)], flags)
     for check in (False, True):
         load(4, check, flags)  # compile the default variants once per session
     return CpuKernels(multiprocessor_count=2, threads_per_block=8, write_threads_per_block=4,
