@@ -10,7 +10,9 @@
   reason otherwise), ``needs_cupy`` where cupy imports, ``needs_compiler`` (and every test
   using the ``cpu_kernels`` fixture) where a C++ compiler builds the CPU kernel harness,
   ``needs_nvrtc`` where cuda-core compiles a kernel with NVRTC;
-* the run ends with one line per reason of what did not run.
+* the run ends with one line per reason of what did not run;
+* ``tiny_campaign``: the smallest campaign of each layout, run once a session (the synth pins
+  and the campaign's progress and job-count tests read the same run).
 """
 
 import importlib.util
@@ -91,6 +93,29 @@ def pytest_collection_modifyitems(config, items):
             if reasons[name]:
                 item.add_marker(pytest.mark.skip(reason=reasons[name]))
                 break
+
+
+TINY_CAMPAIGN = dict(faults_per_kind=2, clean_runs=2, seed=1, backend="numpy", jobs=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_campaign():
+    """layout -> (report, progress calls) of ``run_campaign(**TINY_CAMPAIGN, layout=...)``,
+    run on first use: 6 s per-token, 14 s paged, which three tests would each pay again."""
+    from kvcanary.campaign import run_campaign
+
+    runs = {}
+
+    def get(layout: str):
+        if layout not in runs:
+            calls = []
+            report = run_campaign(**TINY_CAMPAIGN, layout=layout,
+                                  progress=lambda phase, done, total: calls.append(
+                                      (phase, done, total)))
+            runs[layout] = report, calls
+        return runs[layout]
+
+    return get
 
 
 def pytest_terminal_summary(terminalreporter):

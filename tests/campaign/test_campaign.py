@@ -102,10 +102,12 @@ def test_not_designed_rows_carry_their_reason(report):
     assert data["clean_runs"]["lacking_a_class"] == []
 
 
-def test_deterministic_and_independent_of_jobs(report):
-    again = run_campaign(**SMALL, jobs=1)
-    assert again.cells == report.cells
-    assert again.fault_runs == report.fault_runs
+def test_deterministic_and_independent_of_jobs(tiny_campaign):
+    # The session's smallest campaign (jobs=1; 12 fault runs over 5 rounds) again on 2 jobs.
+    one_job, _ = tiny_campaign("per-token")
+    again = run_campaign(faults_per_kind=2, clean_runs=2, seed=1, backend="numpy", jobs=2)
+    assert again.cells == one_job.cells
+    assert again.fault_runs == one_job.fault_runs
 
 
 def test_every_setting_is_sampled():
@@ -175,7 +177,9 @@ def test_broken_detector_fails_the_campaign_and_names_the_miss(monkeypatch):
 def test_cli_campaign_pass_and_formats(tmp_path):
     runner = CliRunner()
     out = tmp_path / "coverage.md"
-    result = runner.invoke(main, ["campaign", "--faults-per-kind", "10", "--clean-runs", "3",
+    # The options reach the campaign and its report the files; the targets themselves are
+    # the library tests' (the small campaign above).
+    result = runner.invoke(main, ["campaign", "--faults-per-kind", "2", "--clean-runs", "2",
                                   "--seed", "2", "--backend", "numpy", "--format", "markdown",
                                   "--out", str(out), "--jobs", "1"])
     assert result.exit_code == 0, result.output
@@ -184,7 +188,7 @@ def test_cli_campaign_pass_and_formats(tmp_path):
     assert text.startswith("## kvcanary coverage campaign")
     assert "| head | token | none |" in text and "### False positives" in text
     assert "totals by target class" in text
-    result = runner.invoke(main, ["campaign", "--faults-per-kind", "5", "--clean-runs", "1",
+    result = runner.invoke(main, ["campaign", "--faults-per-kind", "1", "--clean-runs", "1",
                                   "--backend", "numpy", "--format", "json", "--jobs", "1"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["passed"] is True
@@ -234,11 +238,8 @@ def test_cupy_backend_without_a_device_is_exit_2():
 
 
 @pytest.mark.parametrize("layout", ["per-token", "paged"])
-def test_progress_only_grows_and_reaches_100_percent_once(layout):
-    calls = []
-    report = run_campaign(faults_per_kind=2, clean_runs=2, seed=4, backend="numpy", jobs=1,
-                          layout=layout,
-                          progress=lambda phase, done, total: calls.append((phase, done, total)))
+def test_progress_only_grows_and_reaches_100_percent_once(layout, tiny_campaign):
+    report, calls = tiny_campaign(layout)   # faults_per_kind=2, clean_runs=2
     assert [c for c in calls if c[0] == "clean runs"][-1] == ("clean runs", 2, 2)
     faults = [c for c in calls if c[0] == FAULT_PHASE]
     assert report.rounds > 1  # a round fell short, planned more runs, and the count still grew

@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvcanary.cli.main import main
-from kernel_harness import CpuKernels
+from kernel_harness import CpuKernels, build_variants
 from kvcanary.tools.smoke import FAULTS, run_smoke
 
 
@@ -35,9 +35,20 @@ def test_smoke_rejects_a_bound_above_64():
     assert result.exit_code == 2 and "--max-real-kv-sources" in result.output
 
 
-@pytest.mark.parametrize("bound", [1, 6])
+BOUNDS = (1, 6)
+
+
+@pytest.fixture(scope="module")
+def smoke_variants():
+    """The harness variants the smoke runs launch (the plan's is bound 4's), compiled side by
+    side up front (a smoke run is about 0.5 s; a cold compile of each variant 2-3 s)."""
+    build_variants([(bound, check) for bound in BOUNDS for check in (False, True)]
+                   + [(4, False)])
+
+
+@pytest.mark.parametrize("bound", BOUNDS)
 @pytest.mark.needs_compiler
-def test_smoke_logic_passes_on_the_cpu_kernels(bound):
+def test_smoke_logic_passes_on_the_cpu_kernels(bound, smoke_variants):
     import numpy as np
 
     report = run_smoke(bound, xp=np, device=CpuKernels(multiprocessor_count=2))
@@ -61,10 +72,11 @@ class _VerifyForgetsRealKv(CpuKernels):
 
 
 @pytest.mark.needs_compiler
-def test_smoke_fails_when_the_device_misses_a_fault():
+def test_smoke_fails_when_the_device_misses_a_fault(smoke_variants):
     import numpy as np
 
-    report = run_smoke(2, xp=np, device=_VerifyForgetsRealKv(multiprocessor_count=2))
+    # A bound the passing runs use too: the broken device needs no variant of its own.
+    report = run_smoke(BOUNDS[-1], xp=np, device=_VerifyForgetsRealKv(multiprocessor_count=2))
     assert not report.ok
     assert report.lines()[-1] == "smoke: FAILED"
 

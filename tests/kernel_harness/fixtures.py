@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import CpuKernels, Differential, harness_flags_from_env, load, numpy_runs
+from . import CpuKernels, Differential, build_variants, harness_flags_from_env, load, numpy_runs
 
 
 @pytest.fixture(scope="session")
@@ -13,6 +13,8 @@ def cpu_kernels() -> CpuKernels:
     """Kernels compiled for the CPU; 2 'multiprocessors', 8-thread blocks and 4-thread
     write blocks so even small launches span several blocks."""
     flags = harness_flags_from_env()
+    # The default bound and the property tests' 1 and 8, compiled side by side up front.
+    build_variants([(bound, check) for bound in (1, 4, 8) for check in (False, True)], flags)
     for check in (False, True):
         load(4, check, flags)  # compile the default variants once per session
     return CpuKernels(multiprocessor_count=2, threads_per_block=8, write_threads_per_block=4,

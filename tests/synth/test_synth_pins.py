@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from kvcanary.campaign import render, run_campaign
+from kvcanary.campaign import render
 from kvcanary.synth import FAULT_KINDS, PAGED_FAULT_KINDS, SynthConfig, Synthesis, SynthError
 
 SMALL = dict(requests=24, num_slots=1024, max_running=8, prompt_len=(8, 48), output_len=(4, 16),
@@ -87,9 +87,7 @@ DIAGNOSIS_COUNTS = ("diagnosed", "named", "named_or_alternative", "certain_wrong
                     "faults_diagnosed", "faults_named", "other_causes")
 
 
-def campaign_digest(**options) -> str:
-    report = run_campaign(faults_per_kind=2, clean_runs=2, seed=1, backend="numpy", jobs=1,
-                          **options)
+def campaign_digest(report) -> str:
     data = json.loads(render(report, "json"))
     for key in ("elapsed_s", "machine", "jobs", "skipped_backends"):
         del data["campaign"][key]
@@ -102,12 +100,13 @@ def campaign_digest(**options) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def test_small_campaign_is_pinned():
-    assert campaign_digest() == CAMPAIGN_PIN
+def test_small_campaign_is_pinned(tiny_campaign):
+    # run_campaign(faults_per_kind=2, clean_runs=2, seed=1, backend="numpy", jobs=1)
+    assert campaign_digest(tiny_campaign("per-token")[0]) == CAMPAIGN_PIN
 
 
-def test_small_paged_campaign_is_pinned():
-    assert campaign_digest(layout="paged") == PAGED_CAMPAIGN_PIN
+def test_small_paged_campaign_is_pinned(tiny_campaign):
+    assert campaign_digest(tiny_campaign("paged")[0]) == PAGED_CAMPAIGN_PIN
 
 
 def test_a_copied_synthesis_hashes_the_kv_it_writes():

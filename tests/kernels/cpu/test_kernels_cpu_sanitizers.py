@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_harness import compiler
+from kernel_harness import SANITIZE_FLAGS, build_variants, compiler
 
 TESTS = Path(__file__).resolve().parents[2]
 SUBSET = ["kernels/cpu/test_kernels_cpu_out_of_range.py",
@@ -34,6 +34,11 @@ def run_pytest_under_sanitizers(test_files, **extra_env) -> None:
     env = dict(os.environ, KVCANARY_HARNESS_SANITIZE="1", LD_PRELOAD=runtime,
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", **extra_env)
+    # The variants the runs launch (bound 4, and the property tests' 1 and 8, each with and
+    # without the token check), compiled side by side first; one missing here is still
+    # compiled by the run itself.
+    build_variants([(bound, check) for bound in (1, 4, 8) for check in (False, True)],
+                   SANITIZE_FLAGS)
     result = subprocess.run(
         # -s: a sanitizer exits the process from inside a test; with pytest's fd capture on,
         # its report would be lost with the test's captured output.
