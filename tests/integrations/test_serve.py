@@ -343,10 +343,10 @@ def test_on_violation_exit_fails_the_requests_in_flight_and_exits_1(model_dir, t
 SOAK_REQUESTS, SOAK_WARM = 5000, 500
 
 
-@pytest.mark.slow
 def test_soak_keeps_the_servers_memory_flat(model_dir, tmp_path):
     """5,000 requests: the server's RSS after them is within 5% of where it was after the
-    first 500 (what the guard keeps per finished request is dropped)."""
+    first 500 (what the guard keeps per finished request is dropped). About 80 s on two
+    cores, so it runs in the default suite."""
     psutil = pytest.importorskip("psutil", reason=skip_reasons.transformers_extra("psutil"))
     server = Server(model_dir, "--sources", "kv-all", log_path=tmp_path / "server.log")
     try:
