@@ -152,9 +152,10 @@ def main(argv=None) -> int:
     # Each guarded round against the mean of the unguarded rounds before and after it: a
     # drift of the machine's speed during the run moves both sides of a ratio alike.
     around = rounds["unguarded"] + [closing]
-    paired = {name: {key: statistics.median(bracketed(runs, around, key))
-                     for key in ("tokens_per_s", "p99")}
+    ratios = {name: {key: bracketed(runs, around, key) for key in ("tokens_per_s", "p99")}
               for name, runs in rounds.items() if name != "unguarded"}
+    paired = {name: {key: statistics.median(values) for key, values in by_key.items()}
+              for name, by_key in ratios.items()}
     paired["unguarded"] = {"tokens_per_s": 1.0, "p99": 1.0}
     print("| server | tokens/s | vs unguarded | per round | p50 (s) | p99 (s) | p99 vs "
           "unguarded | per round |")
@@ -165,11 +166,9 @@ def main(argv=None) -> int:
               f"{paired[name]['tokens_per_s'] * 100:.1f}% | {row['p50']:.2f} | "
               f"{row['p99']:.2f} | {row['p99'] / base['p99']:.2f}x | "
               f"{paired[name]['p99']:.2f}x |")
-    for name, runs in rounds.items():
-        if name != "unguarded":
-            print(f"{name}, each round's tokens/s against the unguarded rounds around it: "
-                  + ", ".join(f"{100 * r:.1f}%" for r in bracketed(runs, around,
-                                                                    "tokens_per_s")))
+    for name, by_key in ratios.items():
+        print(f"{name}, each round's tokens/s against the unguarded rounds around it: "
+              + ", ".join(f"{100 * r:.1f}%" for r in by_key["tokens_per_s"]))
     print("| server | engine ms/step | guard ms/step | guard / engine step | findings |")
     print("| --- | --- | --- | --- | --- |")
     for name, g in steps.items():

@@ -253,11 +253,8 @@ def array_state(x):
     so it is always checked."""
     kind = type(x)
     if kind is np.ndarray:      # the usual case first: a launch reads ~40 states
-        if _struct_data is None:
-            return (kind, x.shape, x.strides, x.dtype, data_address(x), x.flags.writeable)
-        capsule = x.__array_struct__    # _numpy_address inline: a frame less, ~40 a launch
         return (kind, x.shape, x.strides, x.dtype,
-                _struct_data(_capsule_pointer(capsule, None) + _DATA_OFFSET).value or 0,
+                _numpy_address(x) if _struct_data is not None else data_address(x),
                 x.flags.writeable)
     try:
         if (_LIBRARIES.get(kind) or _library_of_type(kind)) == "cupy":
